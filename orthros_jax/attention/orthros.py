@@ -1,0 +1,193 @@
+"""Orthros prefill (XLA): sliding-window softmax + linear attention, chunked.
+
+Einsum legend: B batch, T tokens, C chunk, S keys of one chunk's block,
+H query heads, K kv heads, G group (H / K), D head dim, F feature dim.
+
+For a query at t with window W (ARCHITECTURE.md section 3):
+  window keys  t-W < j <= t :  w_tj = gamma_h * exp(q_t.k_j / sqrt(D) - m_t)
+  older keys   j <= t-W     :  w_tj = phi_q(q_t) . phi_k(k_j)
+  y_t = sum_j w_tj v_j / sum_j w_tj       (one shared denominator; 0 if it is 0)
+with m_t the maximum window score.
+
+The sequence is cut into chunks of C tokens and scanned in order. The keys a
+chunk's queries can see in their windows lie in the chunk itself and the `nb`
+chunks before it (nb * C >= W - 1); these (nb + 1) * C keys form the chunk's
+key block, kept in a rolling buffer carried by the scan. Every key before the
+block is older than the window of every query in the chunk, so its
+contribution is the carried float32 linear state (S, z). Inside the block the
+per-pair distance decides window softmax vs linear. After a chunk, the oldest
+buffered chunk leaves the block and is folded into (S, z).
+Cost: O(T * ((nb + 1) * C * (D + F) + F * D)) per head, linear in T.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+class LinearState(NamedTuple):
+  """Linear-attention state of the tokens older than the window.
+
+  S: [B, H, F, D] float32, sum of phi_k(k_j) v_j^T.
+  z: [B, H, F] float32, sum of phi_k(k_j).
+  """
+  S: Array
+  z: Array
+
+
+class WindowPrefix(NamedTuple):
+  """The tokens just before a continued prefill (a later chat turn).
+
+  k, v: [B, P, K, D]; phi_k: [B, P, H, F]; valid: [B, P] bool. Entry P-1 is
+  the token directly before the first new token. Invalid entries (a history
+  shorter than P) are ignored.
+  """
+  k: Array
+  v: Array
+  phi_k: Array
+  valid: Array
+
+
+def zero_state(batch: int, num_heads: int, feature_dim: int,
+               head_dim: int) -> LinearState:
+  return LinearState(
+      jnp.zeros((batch, num_heads, feature_dim, head_dim), jnp.float32),
+      jnp.zeros((batch, num_heads, feature_dim), jnp.float32))
+
+
+def fold_into_state(state: LinearState, phi_k: Array, v: Array,
+                    mask: Array) -> LinearState:
+  """Adds sum_j mask_j phi_k(j) v_j^T to the state.
+
+  phi_k: [B, N, H, F]; v: [B, N, K, D]; mask: [B, N] bool.
+  """
+  b, n, h, f = phi_k.shape
+  kh = v.shape[2]
+  phi = jnp.where(mask[..., None, None], phi_k.astype(jnp.float32), 0.0)
+  phi = phi.reshape(b, n, kh, h // kh, f)
+  ds = jnp.einsum('bnkgf,bnkd->bkgfd', phi, v.astype(jnp.float32))
+  return LinearState(state.S + ds.reshape(b, h, f, -1),
+                     state.z + jnp.sum(phi, axis=1).reshape(b, h, f))
+
+
+def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
+                    gamma: Array, *, window: int, chunk_size: int,
+                    lengths: Array | None = None,
+                    initial_state: LinearState | None = None,
+                    prefix: WindowPrefix | None = None
+                    ) -> tuple[Array, LinearState]:
+  """Hybrid prefill of T tokens; returns outputs and the linear state.
+
+  Args:
+    q: [B, T, H, D] queries; k, v: [B, T, K, D] keys and values (RoPE applied).
+    phi_q, phi_k: [B, T, H, F] feature-mapped q and k (k repeated per query
+      head for GQA).
+    gamma: [H] window weights in (0, 1) (sigmoid already applied).
+    window: W >= 0 tokens of exact softmax per query, self included.
+    chunk_size: C >= 1; the result does not depend on it.
+    lengths: [B] int32 valid tokens per right-padded example (default T).
+      Outputs at t >= lengths[b] are unspecified.
+    initial_state: state of every token before `prefix` (continued prefill).
+    prefix: the tokens just before the new ones (at least the last W-1 of the
+      history for an exact continuation).
+
+  Returns:
+    y [B, T, H, D] in q.dtype and LinearState with the sums over every token
+    (history included) at positions < L - W, L the valid length.
+  """
+  if window < 0 or chunk_size < 1:
+    raise ValueError(f'window={window} must be >= 0 and chunk_size='
+                     f'{chunk_size} >= 1')
+  b, t, h, d = q.shape
+  kh, f = k.shape[2], phi_q.shape[-1]
+  if k.shape != (b, t, kh, d) or v.shape != k.shape or h % kh:
+    raise ValueError(f'shapes q {q.shape}, k {k.shape}, v {v.shape} do not '
+                     'form [B,T,H,D], [B,T,K,D] with H % K == 0')
+  if phi_q.shape != (b, t, h, f) or phi_k.shape != (b, t, h, f):
+    raise ValueError(f'phi_q {phi_q.shape} and phi_k {phi_k.shape} must both '
+                     f'be [B, T, H, F] = {(b, t, h, f)}')
+  lengths = (jnp.full((b,), t, jnp.int32) if lengths is None
+             else jnp.asarray(lengths, jnp.int32))
+  state = initial_state if initial_state is not None else zero_state(b, h, f, d)
+  out_dtype = q.dtype
+  f32 = lambda x: x.astype(jnp.float32)
+  q, k, v, phi_q, phi_k = map(f32, (q, k, v, phi_q, phi_k))
+  valid = jnp.ones((b, t), bool)
+
+  p = 0
+  if prefix is not None:
+    # Prepend the history tokens as keys; their query rows are dummies.
+    p = prefix.k.shape[1]
+    q = jnp.concatenate([jnp.zeros((b, p, h, d), q.dtype), q], axis=1)
+    phi_q = jnp.concatenate([jnp.zeros((b, p, h, f), q.dtype), phi_q], axis=1)
+    k = jnp.concatenate([f32(prefix.k), k], axis=1)
+    v = jnp.concatenate([f32(prefix.v), v], axis=1)
+    phi_k = jnp.concatenate([f32(prefix.phi_k), phi_k], axis=1)
+    valid = jnp.concatenate([prefix.valid.astype(bool), valid], axis=1)
+
+  n = p + t
+  # Tokens that end up older than the window of the last valid token.
+  fold = valid & (jnp.arange(n)[None, :] < (p + lengths - window)[:, None])
+
+  c = chunk_size
+  num_chunks = -(-n // c)
+  nb = min(-(-(window - 1) // c) if window > 1 else 0, num_chunks - 1)
+
+  def chunked(x):  # [B, N, ...] -> [num_chunks, B, C, ...]
+    x = jnp.pad(x, [(0, 0), (0, num_chunks * c - n)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, num_chunks, c, *x.shape[2:]), 1, 0)
+
+  xs = tuple(map(chunked, (q, k, v, phi_q, phi_k, valid, fold)))
+  buffer = (jnp.zeros((b, nb * c, kh, d)), jnp.zeros((b, nb * c, kh, d)),
+            jnp.zeros((b, nb * c, h, f)), jnp.zeros((b, nb * c), bool),
+            jnp.zeros((b, nb * c), bool))
+
+  # Distance (query - key) inside a chunk's key block, and what it means.
+  dist = (nb * c + jnp.arange(c)[:, None]) - jnp.arange((nb + 1) * c)[None, :]
+  in_window = (dist >= 0) & (dist < window)  # [C, S]
+  is_older = dist >= window
+  gamma = f32(gamma)
+
+  def step(carry, chunk):
+    state, buf = carry
+    qc, kc, vc, phiq_c, phik_c, valid_c, fold_c = chunk
+    kb, vb, phikb, validb, foldb = (
+        jnp.concatenate([old, new], axis=1)
+        for old, new in zip(buf, (kc, vc, phik_c, valid_c, fold_c)))
+    # Window softmax part: [B, H, C, S].
+    scores = jnp.einsum('bckgd,bskd->bkgcs', qc.reshape(b, c, kh, h // kh, d),
+                        kb).reshape(b, h, c, -1) / jnp.sqrt(jnp.float32(d))
+    win = in_window[None, None] & validb[:, None, None, :]
+    scores = jnp.where(win, scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    weights = gamma[None, :, None, None] * jnp.exp(scores - m)
+    # Linear part for older keys inside the block.
+    lin = jnp.einsum('bchf,bshf->bhcs', phiq_c, phikb)
+    older = is_older[None, None] & validb[:, None, None, :]
+    weights = weights + jnp.where(older, lin, 0.0)
+    # Numerator and denominator: block keys plus the carried state.
+    wg = weights.reshape(b, kh, h // kh, c, -1)
+    num = jnp.einsum('bkgcs,bskd->bckgd', wg, vb).reshape(b, c, h, d)
+    num = num + jnp.einsum('bchf,bhfd->bchd', phiq_c, state.S)
+    den = jnp.sum(weights, axis=-1).transpose(0, 2, 1)  # [B, C, H]
+    den = den + jnp.einsum('bchf,bhf->bch', phiq_c, state.z)
+    y = jnp.where(den[..., None] != 0,
+                  num / jnp.where(den != 0, den, 1.0)[..., None], 0.0)
+    # The oldest chunk of the block leaves it: fold it into the state.
+    leaving = tuple(x[:, :c] for x in (kb, vb, phikb, validb, foldb))
+    state = fold_into_state(state, leaving[2], leaving[1], leaving[4])
+    buf = tuple(x[:, c:] for x in (kb, vb, phikb, validb, foldb))
+    return (state, buf), y
+
+  (state, buf), ys = jax.lax.scan(step, (state, buffer), xs)
+  # Tokens still in the buffer (the last nb chunks) may also be older than
+  # the last valid token's window.
+  state = fold_into_state(state, buf[2], buf[1], buf[4])
+  y = jnp.moveaxis(ys, 0, 1).reshape(b, num_chunks * c, h, d)[:, p:n]
+  return y.astype(out_dtype), state

@@ -1,0 +1,86 @@
+"""The explicit KV cache: a tuple with one `LayerCache` per layer.
+
+Shapes (B batch, S max_len, K kv heads, H query heads, D head dim, F feature
+dim; F = 0 for dense attention):
+  k, v     [B, S, K, D]  post-RoPE keys and values, valid at j < lengths[b]
+  lengths  [B] int32     tokens held per example
+  S        [B, H, F, D]  float32 linear state of tokens j < lengths - window
+  z        [B, H, F]     float32 normaliser of the same tokens
+The cache is passed into the model and returned updated (no mutable
+collections), so prefill and decode are pure functions that can donate it.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from orthros_jax.config import ModelConfig
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class LayerCache:
+  k: Array
+  v: Array
+  lengths: Array
+  S: Array
+  z: Array
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[1]
+
+
+Cache = tuple[LayerCache, ...]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int,
+               dtype=None) -> Cache:
+  """An empty cache for `batch` sequences of up to `max_len` tokens.
+
+  `dtype` is the K/V storage dtype (default: the model's activation dtype);
+  the linear state is always float32.
+  """
+  if not isinstance(batch, int) or batch < 1:
+    raise ValueError(f'batch={batch!r} must be an integer >= 1')
+  if not isinstance(max_len, int) or max_len < 1:
+    raise ValueError(f'max_len={max_len!r} must be an integer >= 1')
+  dtype = jnp.dtype(dtype or config.dtype)
+  kv_shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+  f = config.attention.state_dim
+  h, d = config.num_heads, config.head_dim
+
+  def layer():
+    return LayerCache(
+        k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        S=jnp.zeros((batch, h, f, d), jnp.float32),
+        z=jnp.zeros((batch, h, f), jnp.float32))
+
+  return tuple(layer() for _ in range(config.num_layers))
+
+
+def write_kv(cache: LayerCache, k: Array, v: Array, valid: Array) -> tuple[
+    Array, Array]:
+  """Writes new K/V at positions lengths[b] + t where valid[b, t].
+
+  k, v: [B, T, K, D]; valid: [B, T] bool. Entries that are not valid or fall
+  beyond max_len are dropped (callers check capacity before any work).
+  """
+  b, t = valid.shape
+  pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  pos = jnp.where(valid, pos, cache.max_len)  # out of range -> dropped
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  k_new = cache.k.at[rows, pos].set(k.astype(cache.k.dtype), mode='drop')
+  v_new = cache.v.at[rows, pos].set(v.astype(cache.v.dtype), mode='drop')
+  return k_new, v_new
+
+
+def gather_kv(k: Array, v: Array, positions: Array) -> tuple[Array, Array]:
+  """k, v [B, S, K, D] at positions [B, N] (clipped into range)."""
+  pos = jnp.clip(positions, 0, k.shape[1] - 1)
+  take = jax.vmap(lambda x, p: x[p])
+  return take(k, pos), take(v, pos)

@@ -1,0 +1,355 @@
+"""Llama-family decoder whose attention is chosen by a static `phase`.
+
+Einsum legend: B batch, T tokens, S cache length, E embed, H query heads,
+K kv heads, G group (H / K), D head dim, F feature dim, M mlp, V vocab.
+
+phase='forward'  full sequence, no cache (training and scoring). Orthros:
+                 positions t < split use the prefill formula, t >= split exact
+                 softmax over all j <= t (split None = prefill everywhere).
+phase='prefill'  a right-padded prompt (optionally continuing a cache):
+                 Orthros hybrid attention (dense: exact), writes K/V and the
+                 linear state into the cache.
+phase='decode'   T_q >= 1 new tokens with exact attention over the cache;
+                 appends them and folds the tokens leaving the window into the
+                 linear state.
+Parameters and activations carry logical axis names (batch, length, embed,
+heads, kv_heads, head_dim, mlp, vocab, features) for sharding rules.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from orthros_jax import attention as attn_lib
+from orthros_jax import cache as cache_lib
+from orthros_jax import rope
+from orthros_jax.attention import dispatch
+from orthros_jax.config import ModelConfig
+from orthros_jax.config import inverse_sigmoid
+from orthros_jax.feature_maps import FeatureMap
+
+Array = jax.Array
+PHASES = ('forward', 'prefill', 'decode')
+
+
+def _partitioned(init, axes):
+  return nn.with_logical_partitioning(init, axes)
+
+
+def _constrain(x, axes):
+  return nn.with_logical_constraint(x, axes)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = self.param('scale', _partitioned(nn.initializers.ones, ('embed',)),
+                       (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) +
+                            self.eps)
+    return scale.astype(self.dtype) * y.astype(self.dtype)
+
+
+class Mlp(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    cfg = self.config
+    dense = lambda m, axes, name: nn.DenseGeneral(
+        m, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        kernel_init=_partitioned(nn.initializers.lecun_normal(), axes),
+        name=name)
+    gate = dense(cfg.mlp_dim, ('embed', 'mlp'), 'gate_proj')(x)
+    up = dense(cfg.mlp_dim, ('embed', 'mlp'), 'up_proj')(x)
+    h = _constrain(nn.silu(gate) * up, ('batch', 'length', 'mlp'))
+    return dense(cfg.embed_dim, ('mlp', 'embed'), 'down_proj')(h)
+
+
+class Attention(nn.Module):
+  """One attention module for all phases (GQA, RoPE, optional biases)."""
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    h, k, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.embed_dim
+
+    def proj(heads, axes, bias, name):
+      return nn.DenseGeneral(
+          (heads, d), use_bias=bias, dtype=cfg.dtype,
+          param_dtype=cfg.param_dtype,
+          kernel_init=_partitioned(nn.initializers.lecun_normal(), axes),
+          bias_init=_partitioned(nn.initializers.zeros, axes[1:]), name=name)
+
+    self.q_proj = proj(h, ('embed', 'heads', 'head_dim'), cfg.qkv_bias,
+                       'q_proj')
+    self.k_proj = proj(k, ('embed', 'kv_heads', 'head_dim'), cfg.qkv_bias,
+                       'k_proj')
+    self.v_proj = proj(k, ('embed', 'kv_heads', 'head_dim'), cfg.qkv_bias,
+                       'v_proj')
+    self.o_proj = nn.DenseGeneral(
+        e, axis=(-2, -1), use_bias=cfg.out_bias, dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        kernel_init=_partitioned(nn.initializers.lecun_normal(),
+                                 ('heads', 'head_dim', 'embed')),
+        bias_init=_partitioned(nn.initializers.zeros, ('embed',)),
+        name='o_proj')
+    self.inv_freq = rope.inverse_frequencies(cfg)
+    if cfg.is_orthros:
+      a = cfg.attention
+      fmap = lambda name: FeatureMap(a.feature_map, h, d, a.feature_dim,
+                                     cfg.param_dtype, name=name)
+      self.phi_q = fmap('phi_q')
+      self.phi_k = fmap('phi_k')
+      self.window_logit = self.param(
+          'window_logit', _partitioned(
+              nn.initializers.constant(inverse_sigmoid(a.window_init)),
+              ('heads',)), (h,), cfg.param_dtype)
+
+  def key_features(self, k: Array) -> Array:
+    """phi_k of keys [B, N, K, D], repeated per query head -> [B, N, H, F]."""
+    return self.phi_k(jnp.repeat(k, self.config.num_groups, axis=2))
+
+  def __call__(self, x, positions, *, phase, cache=None, lengths=None,
+               split=None):
+    cfg = self.config
+    q = rope.apply_rope(self.q_proj(x), positions, self.inv_freq)
+    k = rope.apply_rope(self.k_proj(x), positions, self.inv_freq)
+    v = self.v_proj(x)
+    q = _constrain(q, ('batch', 'length', 'heads', 'head_dim'))
+    k = _constrain(k, ('batch', 'length', 'kv_heads', 'head_dim'))
+    v = _constrain(v, ('batch', 'length', 'kv_heads', 'head_dim'))
+    if phase == 'forward':
+      y, new_cache = self._forward(q, k, v, split), None
+    elif phase == 'prefill':
+      y, new_cache = self._prefill(q, k, v, cache, lengths)
+    else:
+      y, new_cache = self._decode(q, k, v, cache)
+    y = _constrain(y.astype(cfg.dtype), ('batch', 'length', 'heads',
+                                         'head_dim'))
+    return self.o_proj(y), new_cache
+
+  def _orthros_inputs(self, q, k):
+    gamma = jax.nn.sigmoid(self.window_logit.astype(jnp.float32))
+    return self.phi_q(q), self.key_features(k), gamma
+
+  def _forward(self, q, k, v, split):
+    cfg = self.config
+    if not cfg.is_orthros:
+      return attn_lib.softmax_attention(q, k, v, causal=True)
+    a = cfg.attention
+    phi_q, phi_k, gamma = self._orthros_inputs(q, k)
+    y, _ = dispatch.prefill_impl(a.impl)(
+        q, k, v, phi_q, phi_k, gamma, window=a.window, chunk_size=a.chunk_size)
+    if split is None:
+      return y
+    b, t = q.shape[:2]
+    split = jnp.broadcast_to(jnp.asarray(split, jnp.int32), (b,))
+    exact = attn_lib.softmax_attention(q, k, v, causal=True)
+    use_prefill = jnp.arange(t)[None, :] < split[:, None]  # [B, T]
+    return jnp.where(use_prefill[..., None, None], y, exact)
+
+  def _prefill(self, q, k, v, cache: cache_lib.LayerCache, lengths):
+    cfg = self.config
+    b, t = q.shape[:2]
+    start = cache.lengths
+    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    k_cache, v_cache = cache_lib.write_kv(cache, k, v, valid)
+    new_lengths = start + lengths
+    if not cfg.is_orthros:
+      # Query t of example b sits at start[b] + t, as `decode_attention`
+      # places the last T of start + T keys.
+      y = dispatch.decode_impl(cfg.attention.impl)(q, k_cache, v_cache,
+                                                   start + t)
+      return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
+    a = cfg.attention
+    phi_q, phi_k, gamma = self._orthros_inputs(q, k)
+    prefix = None
+    if a.window > 0:
+      # The W cached tokens before the prompt are not in (S, z) yet.
+      pos = start[:, None] - a.window + jnp.arange(a.window)[None, :]
+      pk, pv = cache_lib.gather_kv(cache.k, cache.v, pos)
+      prefix = attn_lib.WindowPrefix(pk, pv, self.key_features(pk), pos >= 0)
+    y, state = dispatch.prefill_impl(a.impl)(
+        q, k, v, phi_q, phi_k, gamma, window=a.window,
+        chunk_size=a.chunk_size, lengths=lengths,
+        initial_state=attn_lib.LinearState(cache.S, cache.z), prefix=prefix)
+    return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths,
+                            S=state.S, z=state.z)
+
+  def _decode(self, q, k, v, cache: cache_lib.LayerCache):
+    cfg = self.config
+    b, t = q.shape[:2]
+    k_cache, v_cache = cache_lib.write_kv(cache, k, v,
+                                          jnp.ones((b, t), bool))
+    new_lengths = cache.lengths + t
+    y = dispatch.decode_impl(cfg.attention.impl)(q, k_cache, v_cache,
+                                                 new_lengths)
+    new_cache = cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
+    if cfg.is_orthros:
+      # Tokens at old_len - W + i leave the window; fold them into (S, z).
+      w = cfg.attention.window
+      pos = cache.lengths[:, None] - w + jnp.arange(t)[None, :]
+      fk, fv = cache_lib.gather_kv(k_cache, v_cache, pos)
+      state = attn_lib.fold_into_state(
+          attn_lib.LinearState(cache.S, cache.z), self.key_features(fk), fv,
+          pos >= 0)
+      new_cache = new_cache.replace(S=state.S, z=state.z)
+    return y, new_cache
+
+
+class Block(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, **kwargs):
+    cfg = self.config
+    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype,
+                                name=name)
+    h, new_cache = Attention(cfg, name='attn')(norm('input_norm')(x),
+                                               positions, **kwargs)
+    x = _constrain(x + h, ('batch', 'length', 'embed'))
+    x = x + Mlp(cfg, name='mlp')(norm('post_attn_norm')(x))
+    return _constrain(x, ('batch', 'length', 'embed')), new_cache
+
+
+class Transformer(nn.Module):
+  """The decoder. Returns (logits float32, cache or None).
+
+  tokens: [B, T] int32.
+  phase: 'forward' | 'prefill' | 'decode' (static).
+  cache: from `init_cache`; required for prefill and decode.
+  lengths: [B] valid tokens of a right-padded prefill batch (default T).
+  split: [B] or scalar, forward only: first position computed exactly.
+  all_logits: prefill returns [B, T, V] instead of the last valid token's
+    [B, V]. forward returns [B, T, V]; decode returns [B, T_q, V].
+  """
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, *, phase: str, cache=None, lengths=None,
+               split=None, all_logits: bool = False):
+    cfg = self.config
+    b, t = _check_call(cfg, tokens, phase, cache, lengths, split)
+    embed = nn.Embed(
+        cfg.vocab_size, cfg.embed_dim, dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        embedding_init=_partitioned(nn.initializers.normal(0.02),
+                                    ('vocab', 'embed')), name='embed')
+    x = _constrain(embed(tokens), ('batch', 'length', 'embed'))
+    if phase == 'forward':
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    else:
+      positions = cache[0].lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+    if lengths is None:
+      lengths = jnp.full((b,), t, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+
+    new_cache = []
+    for i in range(cfg.num_layers):
+      x, layer_cache = Block(cfg, name=f'layers_{i}')(
+          x, positions, phase=phase,
+          cache=None if cache is None else cache[i], lengths=lengths,
+          split=split)
+      new_cache.append(layer_cache)
+    x = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name='final_norm')(x)
+    if phase == 'prefill' and not all_logits:
+      last = jnp.clip(lengths - 1, 0, t - 1)
+      x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, E]
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = nn.DenseGeneral(
+          cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+          param_dtype=cfg.param_dtype,
+          kernel_init=_partitioned(nn.initializers.lecun_normal(),
+                                   ('embed', 'vocab')), name='lm_head')(x)
+    return logits.astype(jnp.float32), (None if phase == 'forward'
+                                        else tuple(new_cache))
+
+
+def _is_concrete(x) -> bool:
+  return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def _check_call(cfg, tokens, phase, cache, lengths, split):
+  """Static checks always; value checks when the inputs are concrete."""
+  if phase not in PHASES:
+    raise ValueError(f'phase={phase!r} is unknown: expected one of {PHASES}')
+  if tokens.ndim != 2:
+    raise ValueError(f'tokens must be [batch, length]; got shape '
+                     f'{tokens.shape}')
+  b, t = tokens.shape
+  if phase == 'forward':
+    if cache is not None:
+      raise ValueError("phase='forward' takes no cache; use 'prefill'")
+  else:
+    if cache is None:
+      raise ValueError(f"phase={phase!r} needs a cache: pass "
+                       'cache=init_cache(config, batch, max_len)')
+    if len(cache) != cfg.num_layers:
+      raise ValueError(f'cache has {len(cache)} layers, the model '
+                       f'{cfg.num_layers}')
+    c0 = cache[0]
+    if c0.k.shape[0] != b:
+      raise ValueError(f'cache batch {c0.k.shape[0]} != tokens batch {b}')
+    if c0.S.shape[2] != cfg.attention.state_dim:
+      raise ValueError(f'cache feature dim {c0.S.shape[2]} does not match '
+                       f'attention.state_dim={cfg.attention.state_dim}; '
+                       'create it with init_cache(config, ...)')
+    if t > c0.max_len:
+      raise ValueError(f'{t} tokens do not fit a cache of max_len='
+                       f'{c0.max_len}')
+    if _is_concrete(c0.lengths):
+      need = c0.lengths + (t if lengths is None or phase == 'decode'
+                           else jnp.asarray(lengths))
+      if int(jnp.max(need)) > c0.max_len:
+        raise ValueError(
+            f'cache overflow: cached + new tokens reach {int(jnp.max(need))} '
+            f'> max_len={c0.max_len}; allocate a larger cache')
+  if split is not None and phase != 'forward':
+    raise ValueError("split is only used by phase='forward'")
+  if lengths is not None and phase != 'prefill':
+    raise ValueError("lengths is only used by phase='prefill'")
+  if _is_concrete(lengths):
+    lengths_arr = jnp.asarray(lengths)
+    if lengths_arr.shape != (b,) or bool(jnp.any(lengths_arr < 0)) or bool(
+        jnp.any(lengths_arr > t)):
+      raise ValueError(f'lengths must be [B]={b} values in [0, {t}]; got '
+                       f'{lengths_arr}')
+  if _is_concrete(tokens):
+    lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+    if lo < 0 or hi >= cfg.vocab_size:
+      raise ValueError(f'token ids must lie in [0, vocab_size={cfg.vocab_size})'
+                       f'; got min {lo}, max {hi}')
+  return b, t
+
+
+def init_orthros_params(config: ModelConfig, rng: Array | None = None) -> dict:
+  """Fresh feature-map and window params for every layer (the starting point
+  of a conversion): {'layers_i': {'attn': {'phi_q', 'phi_k', 'window_logit'}}}.
+  """
+  if not config.is_orthros:
+    raise ValueError('init_orthros_params needs attention.kind="orthros"')
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  a = config.attention
+  h, d = config.num_heads, config.head_dim
+  x = jnp.zeros((1, 1, h, d), jnp.float32)
+  out = {}
+  for i, key in enumerate(jax.random.split(rng, config.num_layers)):
+    kq, kk = jax.random.split(key)
+    fmap = FeatureMap(a.feature_map, h, d, a.feature_dim, config.param_dtype)
+    out[f'layers_{i}'] = {'attn': {
+        'phi_q': nn.unbox(fmap.init(kq, x)['params']),
+        'phi_k': nn.unbox(fmap.init(kk, x)['params']),
+        'window_logit': jnp.full((h,), inverse_sigmoid(a.window_init),
+                                 config.param_dtype)}}
+  return out

@@ -1,0 +1,301 @@
+"""Model-level behaviour: cache consistency across phases, multi-turn
+prefill, the linear-state invariant, errors. References are exact identities
+of the model itself (forward vs prefill+decode) and float64 sums."""
+
+import functools
+import zlib
+
+import flax.linen as nn
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import orthros_jax as oj
+from orthros_jax import feature_maps
+from orthros_jax.model import Transformer
+
+VOCAB = 71
+
+
+def make_config(kind='orthros', feature_map='hedgehog', window=5, chunk=4,
+                **kw):
+  attention = oj.AttentionConfig(kind=kind, feature_map=feature_map,
+                                 window=window, chunk_size=chunk,
+                                 feature_dim=4 if feature_map == 'taylor'
+                                 else 6)
+  base = dict(vocab_size=VOCAB, num_layers=2, embed_dim=24, num_heads=4,
+              num_kv_heads=2, head_dim=6, mlp_dim=40, attention=attention)
+  base.update(kw)
+  return oj.ModelConfig(**base)
+
+
+@functools.partial(jax.jit, static_argnames=('config',))
+def _init(config, rng):
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  return nn.unbox(Transformer(config).init(rng, tokens,
+                                           phase='forward')['params'])
+
+
+def init_params(config, seed=0):
+  params = _init(config, jax.random.PRNGKey(seed))
+  # Random (not identity) feature maps and window weights, so the tests see
+  # every term of the formula.
+  def perturb(path, x):
+    name = jax.tree_util.keystr(path)
+    if 'phi_' in name or 'window_logit' in name:
+      key = jax.random.PRNGKey(zlib.crc32(name.encode()))
+      return x + 0.3 * jax.random.normal(key, x.shape, x.dtype)
+    return x
+  return jax.tree_util.tree_map_with_path(perturb, params)
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'phase', 'all_logits'))
+def run(config, params, tokens, *, phase, cache=None, lengths=None,
+        split=None, all_logits=False):
+  return Transformer(config).apply({'params': params}, tokens, phase=phase,
+                                   cache=cache, lengths=lengths, split=split,
+                                   all_logits=all_logits)
+
+
+def random_tokens(seed, shape):
+  return jax.random.randint(jax.random.PRNGKey(seed), shape, 0, VOCAB)
+
+
+def test_dense_prefill_then_decode_matches_forward():
+  config = make_config(kind='dense')
+  params = init_params(config)
+  x = random_tokens(1, (2, 19))
+  full, _ = run(config, params, x, phase='forward')
+  cache = oj.init_cache(config, 2, 24)
+  logits, cache = run(config, params, x[:, :7], phase='prefill', cache=cache,
+                      all_logits=True)
+  np.testing.assert_allclose(logits, full[:, :7], atol=2e-5, rtol=1e-5)
+  for t in range(7, 19):
+    step, cache = run(config, params, x[:, t:t + 1], phase='decode',
+                      cache=cache)
+    np.testing.assert_allclose(step[:, 0], full[:, t], atol=2e-5, rtol=1e-5)
+  assert np.all(np.asarray(cache[0].lengths) == 19)
+
+
+@pytest.mark.parametrize('feature_map,window,chunk', [
+    ('hedgehog', 5, 4), ('elu', 5, 4), ('relu', 0, 3), ('taylor', 12, 4),
+    ('hedgehog', 0, 3), ('hedgehog', 12, 4)])
+def test_orthros_prefill_then_decode_matches_split_forward(feature_map, window,
+                                                           chunk):
+  config = make_config(feature_map=feature_map, window=window, chunk=chunk)
+  params = init_params(config)
+  x = random_tokens(2, (2, 21))
+  p = 13
+  full, _ = run(config, params, x, phase='forward', split=p)
+  cache = oj.init_cache(config, 2, 32)
+  pre, cache = run(config, params, x[:, :p], phase='prefill', cache=cache,
+                   all_logits=True)
+  np.testing.assert_allclose(pre, full[:, :p], atol=2e-5, rtol=1e-5)
+  dec, cache = run(config, params, x[:, p:p + 5], phase='decode', cache=cache)
+  np.testing.assert_allclose(dec, full[:, p:p + 5], atol=2e-5, rtol=1e-5)
+  for t in range(p + 5, 21):  # one token at a time
+    step, cache = run(config, params, x[:, t:t + 1], phase='decode',
+                      cache=cache)
+    np.testing.assert_allclose(step[:, 0], full[:, t], atol=2e-5, rtol=1e-5)
+
+
+def test_split_per_example_and_extremes():
+  config = make_config()
+  params = init_params(config)
+  x = random_tokens(3, (2, 17))
+  dense, _ = run(make_config(kind='dense'), params, x, phase='forward')
+  # split = 0 is the dense model (same weights; feature maps unused).
+  zero, _ = run(config, params, x, phase='forward', split=0)
+  np.testing.assert_allclose(zero, dense, atol=2e-5, rtol=1e-5)
+  pure, _ = run(config, params, x, phase='forward')
+  full_split, _ = run(config, params, x, phase='forward', split=17)
+  np.testing.assert_allclose(full_split, pure, atol=2e-5, rtol=1e-5)
+  mixed, _ = run(config, params, x, phase='forward', split=jnp.array([4, 11]))
+  for b, s in enumerate([4, 11]):
+    one, _ = run(config, params, x[b:b + 1], phase='forward', split=s)
+    np.testing.assert_allclose(mixed[b], one[0], atol=2e-5, rtol=1e-5)
+
+
+def test_ragged_prefill_matches_unpadded():
+  config = make_config()
+  params = init_params(config)
+  x = random_tokens(4, (3, 15))
+  lengths = jnp.array([15, 6, 11])
+  cache = oj.init_cache(config, 3, 20)
+  last, cache = run(config, params, x, phase='prefill', cache=cache,
+                    lengths=lengths)
+  for b, n in enumerate([15, 6, 11]):
+    c1 = oj.init_cache(config, 1, 20)
+    one, c1 = run(config, params, x[b:b + 1, :n], phase='prefill', cache=c1)
+    np.testing.assert_allclose(last[b], one[0], atol=2e-5, rtol=1e-5)
+    for layer, layer1 in zip(cache, c1):
+      np.testing.assert_allclose(layer.k[b, :n], layer1.k[0, :n], atol=1e-6)
+      np.testing.assert_allclose(layer.S[b], layer1.S[0], atol=1e-5,
+                                 rtol=1e-5)
+      np.testing.assert_allclose(layer.z[b], layer1.z[0], atol=1e-5,
+                                 rtol=1e-5)
+      assert int(layer.lengths[b]) == n
+
+
+@pytest.mark.parametrize('kind', ['dense', 'orthros'])
+def test_prefill_in_two_pieces_equals_one(kind):
+  """Multi-turn: a second prefill continues the first exactly (ragged)."""
+  config = make_config(kind=kind, window=6, chunk=4)
+  params = init_params(config)
+  first, second = [9, 3], [7, 10]
+  x = random_tokens(5, (2, 20))
+  t1 = x[:, :9]
+  t2 = x[:, 9:19]
+  whole = [np.concatenate([np.asarray(t1[b, :first[b]]),
+                           np.asarray(t2[b, :second[b]])]) for b in range(2)]
+  cache = oj.init_cache(config, 2, 32)
+  _, cache = run(config, params, t1, phase='prefill', cache=cache,
+                 lengths=jnp.array(first))
+  logits2, cache = run(config, params, t2, phase='prefill', cache=cache,
+                       lengths=jnp.array(second), all_logits=True)
+  for b in range(2):
+    c1 = oj.init_cache(config, 1, 32)
+    ref, c1 = run(config, params, jnp.asarray(whole[b])[None], phase='prefill',
+                  cache=c1, all_logits=True)
+    n1, n = first[b], first[b] + second[b]
+    np.testing.assert_allclose(logits2[b, :second[b]], ref[0, n1:n],
+                               atol=2e-5, rtol=1e-5)
+    for layer, layer1 in zip(cache, c1):
+      assert int(layer.lengths[b]) == n
+      np.testing.assert_allclose(layer.k[b, :n], layer1.k[0, :n], atol=2e-6)
+      np.testing.assert_allclose(layer.v[b, :n], layer1.v[0, :n], atol=2e-6)
+      np.testing.assert_allclose(layer.S[b], layer1.S[0], atol=2e-5,
+                                 rtol=1e-5)
+      np.testing.assert_allclose(layer.z[b], layer1.z[0], atol=2e-5,
+                                 rtol=1e-5)
+
+
+@pytest.mark.parametrize('window', [0, 3, 8])
+def test_linear_state_matches_sums_over_cached_keys(window):
+  """After prefill + decode, (S, z) are the section 3 sums over the cached
+  keys older than the window, so a next-turn prefill continues exactly."""
+  config = make_config(window=window)
+  params = init_params(config)
+  x = random_tokens(6, (2, 16))
+  cache = oj.init_cache(config, 2, 24)
+  _, cache = run(config, params, x[:, :10], phase='prefill', cache=cache,
+                 lengths=jnp.array([10, 4]))
+  _, cache = run(config, params, x[:, 10:12], phase='decode', cache=cache)
+  _, cache = run(config, params, x[:, 12:13], phase='decode', cache=cache)
+  g = config.num_groups
+  for i, layer in enumerate(cache):
+    w = params[f'layers_{i}']['attn']['phi_k']['proj']
+    for b in range(2):
+      n = int(layer.lengths[b])
+      assert n == [13, 7][b]
+      old = max(n - window, 0)
+      k = np.repeat(np.asarray(layer.k[b, :old]), g, axis=1)  # [N, H, D]
+      phi = np.asarray(feature_maps.feature_map('hedgehog', k, w),
+                       np.float64)
+      v = np.repeat(np.asarray(layer.v[b, :old], np.float64), g, axis=1)
+      s_ref = np.einsum('nhf,nhd->hfd', phi, v)
+      np.testing.assert_allclose(layer.S[b], s_ref, atol=1e-5, rtol=1e-5)
+      np.testing.assert_allclose(layer.z[b], phi.sum(0), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_model_runs_and_keeps_float32_state():
+  config = make_config(dtype='bfloat16', param_dtype='float32')
+  params = init_params(config)
+  x = random_tokens(7, (2, 11))
+  cache = oj.init_cache(config, 2, 16)
+  assert cache[0].k.dtype == jnp.bfloat16 and cache[0].S.dtype == jnp.float32
+  logits, cache = run(config, params, x, phase='prefill', cache=cache)
+  ref, _ = run(make_config(), params, x, phase='forward')
+  assert logits.dtype == jnp.float32 and cache[0].S.dtype == jnp.float32
+  np.testing.assert_allclose(logits, ref[:, -1], atol=0.1)
+
+
+def test_params_carry_logical_axes():
+  config = make_config()
+  boxed = jax.eval_shape(
+      functools.partial(Transformer(config).init, phase='forward'),
+      jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))['params']
+  specs = nn.get_partition_spec(boxed)
+  attn = specs['layers_0']['attn']
+  assert tuple(attn['q_proj']['kernel']) == ('embed', 'heads', 'head_dim')
+  assert tuple(attn['k_proj']['kernel']) == ('embed', 'kv_heads', 'head_dim')
+  assert tuple(attn['o_proj']['kernel']) == ('heads', 'head_dim', 'embed')
+  assert tuple(attn['phi_q']['proj']) == ('heads', 'head_dim', 'features')
+  assert tuple(specs['layers_0']['mlp']['down_proj']['kernel']) == ('mlp',
+                                                                    'embed')
+  assert tuple(specs['embed']['embedding']) == ('vocab', 'embed')
+
+
+def test_init_cache_shapes():
+  config = make_config(feature_map='taylor')
+  cache = oj.init_cache(config, 3, 40, jnp.bfloat16)
+  assert len(cache) == config.num_layers
+  layer = cache[0]
+  f = 1 + 4 + 16
+  assert layer.k.shape == (3, 40, 2, 6) and layer.k.dtype == jnp.bfloat16
+  assert layer.S.shape == (3, 4, f, 6) and layer.S.dtype == jnp.float32
+  assert layer.z.shape == (3, 4, f) and layer.lengths.dtype == jnp.int32
+  dense = oj.init_cache(make_config(kind='dense'), 1, 8)
+  assert dense[0].S.shape == (1, 4, 0, 6)
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(num_heads=4, num_kv_heads=3), 'num_kv_heads'),
+    (dict(head_dim=7), 'head_dim'),
+    (dict(vocab_size=0), 'vocab_size'),
+    (dict(dtype='int32'), 'dtype'),
+])
+def test_bad_model_config_names_the_field(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    make_config(**kwargs)
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(kind='sparse'), 'attention.kind'),
+    (dict(feature_map='cosine'), 'attention.feature_map'),
+    (dict(window=-1), 'attention.window'),
+    (dict(chunk_size=0), 'attention.chunk_size'),
+    (dict(impl='cuda'), 'attention.impl'),
+    (dict(window_init=1.5), 'attention.window_init'),
+    (dict(exact_tail=-2), 'attention.exact_tail'),
+])
+def test_bad_attention_config_names_the_field(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    oj.AttentionConfig(**kwargs)
+
+
+def test_model_call_errors():
+  config = make_config()
+  params = init_params(config)
+  model = Transformer(config)
+  apply = lambda x, **kw: model.apply({'params': params}, x, **kw)
+  x = random_tokens(8, (2, 6))
+  with pytest.raises(ValueError, match='phase'):
+    apply(x, phase='train')
+  with pytest.raises(ValueError, match='needs a cache'):
+    apply(x, phase='prefill')
+  with pytest.raises(ValueError, match='max_len'):
+    apply(x, phase='prefill', cache=oj.init_cache(config, 2, 4))
+  with pytest.raises(ValueError, match='vocab_size'):
+    apply(x.at[0, 0].set(VOCAB), phase='forward')
+  with pytest.raises(ValueError, match='vocab_size'):
+    apply(x.at[1, 2].set(-1), phase='forward')
+  with pytest.raises(ValueError, match='batch'):
+    apply(x, phase='prefill', cache=oj.init_cache(config, 3, 8))
+  with pytest.raises(ValueError, match='state_dim'):
+    apply(x, phase='prefill',
+          cache=oj.init_cache(make_config(kind='dense'), 2, 8))
+  cache = oj.init_cache(config, 2, 8)
+  _, cache = apply(x, phase='prefill', cache=cache)
+  with pytest.raises(ValueError, match='cache overflow'):
+    apply(x[:, :3], phase='decode', cache=cache)
+  with pytest.raises(ValueError, match='lengths'):
+    apply(x, phase='prefill', cache=oj.init_cache(config, 2, 8),
+          lengths=jnp.array([7, 2]))
+  with pytest.raises(ValueError, match="impl='pallas'"):
+    bad = make_config().replace(attention={'impl': 'pallas'})
+    Transformer(bad).apply({'params': params}, x, phase='forward')
+  with pytest.raises(ValueError, match='batch'):
+    oj.init_cache(config, 0, 8)
