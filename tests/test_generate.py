@@ -1,0 +1,149 @@
+"""Generation: greedy tokens equal an independent loop over `forward`, ragged
+batches equal single prompts, EOS stopping, sampling filters, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import orthros_jax as oj
+from orthros_jax.generate import sample_logits
+from orthros_jax.model import Transformer
+
+from test_model import VOCAB, init_params, make_config
+
+PROMPTS = [[5, 17, 3, 40, 22, 9, 61, 2, 33, 12, 7], [8, 1, 50, 23, 23, 4],
+           list(range(30, 47))]
+
+
+@functools.partial(jax.jit, static_argnames=('config',))
+def _forward(config, params, x, split):
+  return Transformer(config).apply({'params': params}, x, phase='forward',
+                                   split=split)[0]
+
+
+def reference_greedy(config, params, prompt, n, split_from_end):
+  """Re-runs `forward` on the growing sequence: the prompt's last
+  `split_from_end` tokens and every generated token are exact positions."""
+  seq = list(prompt)
+  split = len(prompt) - split_from_end
+  width = 24  # one fixed shape: right padding cannot change causal outputs
+  for _ in range(n):
+    x = jnp.asarray([seq + [0] * (width - len(seq))])
+    logits = _forward(config, params, x, split)
+    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+  return seq[len(prompt):]
+
+
+@pytest.mark.parametrize('kind,tail', [('dense', 0), ('orthros', 3),
+                                       ('orthros', 0)])
+def test_greedy_matches_forward_loop(kind, tail):
+  config = make_config(kind=kind, window=4, chunk=4)
+  config = config.replace(attention={'exact_tail': tail})
+  params = init_params(config)
+  out = oj.generate(config, params, PROMPTS, max_new_tokens=8)
+  assert out.tokens.shape == (3, 8)
+  np.testing.assert_array_equal(out.prompt_lengths, [11, 6, 17])
+  np.testing.assert_array_equal(out.boundary, [11 - tail, 6 - tail, 17 - tail])
+  for b, prompt in enumerate(PROMPTS):
+    ref = reference_greedy(config, params, prompt, 8, tail)
+    assert out.tokens[b].tolist() == ref
+    # The returned cache holds the prompt and all but the last new token.
+    assert int(out.cache[0].lengths[b]) == len(prompt) + 7
+
+
+def test_ragged_batch_equals_single_prompts():
+  config = make_config(window=4, chunk=4).replace(attention={'exact_tail': 2})
+  params = init_params(config)
+  batch = oj.generate(config, params, PROMPTS, max_new_tokens=6, max_len=40)
+  for b, prompt in enumerate(PROMPTS):
+    one = oj.generate(config, params, [prompt], max_new_tokens=6, max_len=40)
+    np.testing.assert_array_equal(batch.tokens[b], one.tokens[0])
+
+
+def test_padded_array_input_with_lengths():
+  config = make_config(window=4, chunk=4)
+  params = init_params(config)
+  arr = np.zeros((2, 11), np.int32)
+  arr[0, :11], arr[1, :6] = PROMPTS[0], PROMPTS[1]
+  a = oj.generate(config, params, arr, lengths=[11, 6], max_new_tokens=5)
+  b = oj.generate(config, params, PROMPTS[:2], max_new_tokens=5)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_eos_stops_each_sequence():
+  config = make_config(kind='dense')
+  params = init_params(config)
+  free = oj.generate(config, params, PROMPTS, max_new_tokens=10)
+  eos = int(free.tokens[0, 3])
+  out = oj.generate(config, params, PROMPTS, max_new_tokens=10, eos_id=eos,
+                    pad_id=VOCAB - 1)
+  for b in range(3):
+    row = free.tokens[b].tolist()
+    n = row.index(eos) + 1 if eos in row else 10
+    assert out.lengths[b] == n
+    assert out.tokens[b, :n].tolist() == row[:n]
+    assert np.all(out.tokens[b, n:] == VOCAB - 1)
+
+
+def test_sampling_is_reproducible_and_top_k_one_is_greedy():
+  config = make_config()
+  params = init_params(config)
+  kw = dict(max_new_tokens=6, temperature=1.3)
+  a = oj.generate(config, params, PROMPTS, rng=jax.random.PRNGKey(1), **kw)
+  b = oj.generate(config, params, PROMPTS, rng=jax.random.PRNGKey(1), **kw)
+  c = oj.generate(config, params, PROMPTS, rng=jax.random.PRNGKey(2), **kw)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert not np.array_equal(a.tokens, c.tokens)
+  greedy = oj.generate(config, params, PROMPTS, max_new_tokens=6)
+  top1 = oj.generate(config, params, PROMPTS, rng=jax.random.PRNGKey(3),
+                     top_k=1, **kw)
+  np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+
+
+def test_sample_logits_distribution_and_filters():
+  logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.07, 0.03]]))
+  logits = jnp.repeat(logits, 20000, axis=0)
+  rng = jax.random.PRNGKey(0)
+  draw = lambda **kw: np.asarray(sample_logits(logits, rng, **kw))
+  freq = np.bincount(draw(temperature=1.0), minlength=5) / 20000
+  # 5 sigma of a binomial with n = 20000 is < 0.018.
+  np.testing.assert_allclose(freq, [0.5, 0.25, 0.15, 0.07, 0.03], atol=0.018)
+  top2 = np.bincount(draw(temperature=1.0, top_k=2), minlength=5) / 20000
+  np.testing.assert_allclose(top2, [2 / 3, 1 / 3, 0, 0, 0], atol=0.018)
+  # top_p = 0.8: the smallest set with mass >= 0.8 is {0, 1, 2} (0.9).
+  nucleus = np.bincount(draw(temperature=1.0, top_p=0.8), minlength=5) / 20000
+  np.testing.assert_allclose(nucleus, np.array([0.5, 0.25, 0.15, 0, 0]) / 0.9,
+                             atol=0.018)
+  assert set(draw(temperature=1.0, top_p=0.3).tolist()) == {0}
+  cold = np.bincount(draw(temperature=0.25), minlength=5) / 20000
+  p = np.array([0.5, 0.25, 0.15, 0.07, 0.03]) ** 4
+  np.testing.assert_allclose(cold, p / p.sum(), atol=0.018)
+  assert np.all(draw(temperature=0.0) == 0)
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(max_new_tokens=10, max_len=20), 'max_len'),
+    (dict(max_new_tokens=0), 'max_new_tokens'),
+    (dict(max_new_tokens=2, temperature=0.7), 'rng'),
+    (dict(max_new_tokens=2, temperature=-1.0), 'temperature'),
+    (dict(max_new_tokens=2, top_p=0.0), 'top_p'),
+    (dict(max_new_tokens=2, top_k=0), 'top_k'),
+    (dict(max_new_tokens=2, eos_id=VOCAB), 'eos_id'),
+])
+def test_generate_argument_errors(kwargs, match):
+  config = make_config()
+  with pytest.raises(ValueError, match=match):
+    oj.generate(config, {}, PROMPTS, **kwargs)
+
+
+def test_generate_input_errors():
+  config = make_config()
+  with pytest.raises(ValueError, match='vocab_size'):
+    oj.generate(config, {}, [[1, 2, VOCAB]], max_new_tokens=2)
+  with pytest.raises(ValueError, match='empty'):
+    oj.generate(config, {}, [], max_new_tokens=2)
+  with pytest.raises(ValueError, match='1..'):
+    oj.generate(config, {}, [[1, 2], []], max_new_tokens=2)
