@@ -137,23 +137,33 @@ class Attention(nn.Module):
                                          'head_dim'))
     return self.o_proj(y), new_cache
 
+  def _prefill_fn(self):
+    a = self.config.attention
+    return dispatch.prefill_impl(a.impl, chunk_size=a.chunk_size,
+                                 head_dim=self.config.head_dim)
+
+  def _decode_fn(self):
+    return dispatch.decode_impl(self.config.attention.impl,
+                                head_dim=self.config.head_dim)
+
   def _orthros_inputs(self, q, k):
     gamma = jax.nn.sigmoid(self.window_logit.astype(jnp.float32))
     return self.phi_q(q), self.key_features(k), gamma
 
   def _forward(self, q, k, v, split):
     cfg = self.config
+    exact_fn = dispatch.exact_attention(cfg.attention.impl)
     if not cfg.is_orthros:
-      return attn_lib.softmax_attention(q, k, v, causal=True)
+      return exact_fn(q, k, v, causal=True)
     a = cfg.attention
     phi_q, phi_k, gamma = self._orthros_inputs(q, k)
-    y, _ = dispatch.prefill_impl(a.impl)(
+    y, _ = self._prefill_fn()(
         q, k, v, phi_q, phi_k, gamma, window=a.window, chunk_size=a.chunk_size)
     if split is None:
       return y
     b, t = q.shape[:2]
     split = jnp.broadcast_to(jnp.asarray(split, jnp.int32), (b,))
-    exact = attn_lib.softmax_attention(q, k, v, causal=True)
+    exact = exact_fn(q, k, v, causal=True)
     use_prefill = jnp.arange(t)[None, :] < split[:, None]  # [B, T]
     return jnp.where(use_prefill[..., None, None], y, exact)
 
@@ -167,8 +177,7 @@ class Attention(nn.Module):
     if not cfg.is_orthros:
       # Query t of example b sits at start[b] + t, as `decode_attention`
       # places the last T of start + T keys.
-      y = dispatch.decode_impl(cfg.attention.impl)(q, k_cache, v_cache,
-                                                   start + t)
+      y = self._decode_fn()(q, k_cache, v_cache, start + t)
       return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     a = cfg.attention
     phi_q, phi_k, gamma = self._orthros_inputs(q, k)
@@ -178,7 +187,7 @@ class Attention(nn.Module):
       pos = start[:, None] - a.window + jnp.arange(a.window)[None, :]
       pk, pv = cache_lib.gather_kv(cache.k, cache.v, pos)
       prefix = attn_lib.WindowPrefix(pk, pv, self.key_features(pk), pos >= 0)
-    y, state = dispatch.prefill_impl(a.impl)(
+    y, state = self._prefill_fn()(
         q, k, v, phi_q, phi_k, gamma, window=a.window,
         chunk_size=a.chunk_size, lengths=lengths,
         initial_state=attn_lib.LinearState(cache.S, cache.z), prefix=prefix)
@@ -191,8 +200,7 @@ class Attention(nn.Module):
     k_cache, v_cache = cache_lib.write_kv(cache, k, v,
                                           jnp.ones((b, t), bool))
     new_lengths = cache.lengths + t
-    y = dispatch.decode_impl(cfg.attention.impl)(q, k_cache, v_cache,
-                                                 new_lengths)
+    y = self._decode_fn()(q, k_cache, v_cache, new_lengths)
     new_cache = cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     if cfg.is_orthros:
       # Tokens at old_len - W + i leave the window; fold them into (S, z).

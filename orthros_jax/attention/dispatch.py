@@ -1,39 +1,115 @@
-"""Chooses the implementation of the prefill and decode attention.
+"""Chooses the implementation of each attention computation.
 
 `AttentionConfig.impl`:
-  'auto'   the fastest implementation that runs on this platform;
-  'xla'    the pure-XLA functions of this package (run everywhere);
-  'pallas' Pallas kernels; raises if they cannot run here.
-This version ships the XLA implementation only, so 'auto' resolves to 'xla'
-and 'pallas' raises a ValueError that says so.
+  'auto'   Pallas kernels on GPU/TPU when the shapes suit them, XLA on CPU
+           (and, with a one-time warning, where a kernel cannot take the
+           shapes);
+  'xla'    the pure-XLA functions of `orthros_jax.attention` (everywhere);
+  'pallas' the Pallas kernels; raises a ValueError where they cannot run.
+The dense exact attention of `phase='forward'` uses cuDNN flash attention
+through `jax.nn.dot_product_attention` on GPU where it applies (half
+precision, head_dim a multiple of 8 up to 128) and the blocked XLA path
+elsewhere.
+
+The choice is made at trace time from `jax.default_backend()`; the kernels
+themselves also select their TPU or GPU schedule at lowering time.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Callable
+
+import jax
+import jax.numpy as jnp
 
 from orthros_jax.attention.orthros import orthros_prefill
 from orthros_jax.attention.softmax import decode_attention
+from orthros_jax.attention.softmax import softmax_attention
+
+IMPLS = ('auto', 'xla', 'pallas')
 
 
-def resolve_impl(impl: str) -> str:
-  if impl in ('auto', 'xla'):
+def _backend() -> str:
+  return jax.default_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+  logging.warning(message)
+
+
+def _is_pow2(x: int) -> bool:
+  return x >= 1 and (x & (x - 1)) == 0
+
+
+def _choose(impl: str, what: str, problem: str | None) -> str:
+  """'xla' or 'pallas' for a kernel; `problem` says why the kernel cannot
+  take these shapes on this backend (None if it can)."""
+  if impl not in IMPLS:
+    raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
+                     f'{IMPLS}')
+  backend = _backend()
+  if impl == 'xla':
     return 'xla'
   if impl == 'pallas':
-    raise ValueError(
-        "attention.impl='pallas' was requested, but no Pallas kernels are "
-        "available in this build of orthros_jax; use impl='auto' or 'xla'.")
-  raise ValueError(f"attention.impl={impl!r} is unknown: expected 'auto', "
-                   "'xla' or 'pallas'.")
+    if backend not in ('gpu', 'tpu'):
+      raise ValueError(
+          f"attention.impl='pallas' needs a GPU or TPU, but the backend is "
+          f"{backend!r}; use impl='auto' or 'xla' (tests can run the kernels "
+          'with interpret=True)')
+    if problem:
+      raise ValueError(f"attention.impl='pallas': the {what} kernel cannot "
+                       f'run here: {problem}')
+    return 'pallas'
+  if backend not in ('gpu', 'tpu'):
+    return 'xla'
+  if problem:
+    _warn_once(f'{what}: using the XLA implementation because {problem}')
+    return 'xla'
+  return 'pallas'
 
 
-def prefill_impl(impl: str) -> Callable:
-  """The function computing `orthros_prefill` for this impl."""
-  resolve_impl(impl)
-  return orthros_prefill
+def prefill_impl(impl: str, *, chunk_size: int, head_dim: int) -> Callable:
+  """`orthros_prefill` or the Pallas `linear_prefill` (same signature)."""
+  backend = _backend()
+  problem = None
+  if backend == 'tpu' and chunk_size % 8:
+    problem = f'chunk_size={chunk_size} is not a multiple of 8 (TPU tiling)'
+  elif backend == 'gpu' and not _is_pow2(chunk_size):
+    problem = f'chunk_size={chunk_size} is not a power of two (Triton)'
+  if _choose(impl, 'prefill', problem) == 'xla':
+    return orthros_prefill
+  from pallas_kernels.linear_prefill import linear_prefill
+  return linear_prefill
 
 
-def decode_impl(impl: str) -> Callable:
-  """The function computing `decode_attention` for this impl."""
-  resolve_impl(impl)
-  return decode_attention
+def decode_impl(impl: str, *, head_dim: int) -> Callable:
+  """`decode_attention` or the Pallas `flash_decode` (same signature)."""
+  problem = None
+  if _backend() == 'gpu' and not _is_pow2(head_dim):
+    problem = f'head_dim={head_dim} is not a power of two (Triton)'
+  if _choose(impl, 'decode', problem) == 'xla':
+    return decode_attention
+  from pallas_kernels.flash_decode import flash_decode
+  return flash_decode
+
+
+def exact_attention(impl: str) -> Callable:
+  """Causal full-sequence attention (q [B,T,H,D], k/v [B,T,K,D])."""
+  if impl not in IMPLS:
+    raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
+                     f'{IMPLS}')
+  if impl == 'xla' or _backend() != 'gpu':
+    return softmax_attention
+
+  def cudnn_or_xla(q, k, v, *, causal=True):
+    d = q.shape[-1]
+    if (q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128
+        and q.shape[1] == k.shape[1]):
+      return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                          implementation='cudnn')
+    return softmax_attention(q, k, v, causal=causal)
+
+  return cudnn_or_xla

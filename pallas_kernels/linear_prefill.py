@@ -1,0 +1,396 @@
+"""Pallas kernel for the Orthros prefill (ARCHITECTURE.md sections 3 and 6).
+
+Einsum legend: B batch, N tokens (prefix + new), C chunk, S keys of a chunk's
+block = (nb + 1) * C, H query heads, K kv heads, G = H / K, D head dim,
+F feature dim.
+
+The math is that of `orthros_jax.attention.orthros_prefill` (the reference):
+per chunk of C queries, exact window softmax (weighted by gamma) and linear
+terms over the chunk's key block (the chunk and the nb chunks before it,
+nb * C >= W - 1), plus the carried float32 state (S [F, D], z [F]) of every
+key before the block; then the block's oldest chunk is folded into the state.
+
+Two launch schedules share `_chunk_update`:
+- TPU (Mosaic): grid (B, H, chunks); the chunk axis is sequential
+  ('arbitrary'), the state lives in VMEM scratch across grid steps, and each
+  step's key block arrives as nb + 1 pipelined chunk-sized blocks, so any N
+  fits in VMEM.
+- GPU (Triton): grid (B, H); one program loops over the chunks of its
+  sequence with `fori_loop`, loading each chunk's slices from global memory
+  and keeping the state in registers. Triton needs power-of-two block sizes,
+  so D, F and the block are padded (zero features change nothing).
+Per-example masks are two scalars: keys are valid from padded index `lo`
+(front padding and a history shorter than the window are invalid) and fold
+into the state below `hi` (older than the last valid token's window). The
+platform's variant is chosen at lowering time with
+`jax.lax.platform_dependent`, so one jitted function lowers for either.
+
+Backward: `jax.custom_vjp` whose backward pass recomputes through the XLA
+reference (`jax.vjp` of orthros_prefill): no extra residuals are saved by the
+forward kernel; the backward costs one reference forward plus its VJP, with
+the reference's O(N * S) per-head memory for the scan residuals.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltr
+
+from orthros_jax.attention.orthros import LinearState
+from orthros_jax.attention.orthros import WindowPrefix
+from orthros_jax.attention.orthros import orthros_prefill as reference
+
+Array = jax.Array
+
+__all__ = ['linear_prefill', 'reference']
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
+                  *, gamma, lo, hi, key_start, window, nb, chunk, scale):
+  """One chunk. q [C, D], kb/vb [S, D], phiq [C, F], phikb [S, F],
+  s_state [F, D], z_state [1, F]; key_start = padded index of kb[0];
+  v_old [C, D], phik_old [C, F]: the block's oldest chunk (its first C keys,
+  passed separately because Triton cannot slice values).
+  Returns y [C, D] and the state after folding the block's oldest chunk."""
+  f32 = jnp.float32
+  s_len = kb.shape[0]
+  row = jax.lax.broadcasted_iota(jnp.int32, (chunk, s_len), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (chunk, s_len), 1)
+  dist = nb * chunk + row - col
+  key_idx = key_start + col
+  valid = key_idx >= lo
+  in_window = (dist >= 0) & (dist < window) & valid
+  older = (dist >= window) & valid
+  scores = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())),
+                               preferred_element_type=f32) * scale
+  scores = jnp.where(in_window, scores, -jnp.inf)
+  m = jnp.max(scores, axis=1, keepdims=True)
+  m = jnp.where(m > -jnp.inf, m, 0.0)
+  w = jnp.where(in_window, gamma * jnp.exp(scores - m), 0.0)
+  lin = jax.lax.dot_general(phiq, phikb, (((1,), (1,)), ((), ())),
+                            preferred_element_type=f32)
+  w = w + jnp.where(older, lin, 0.0)
+  num = jnp.dot(w, vb, preferred_element_type=f32) + jnp.dot(
+      phiq, s_state, preferred_element_type=f32)
+  den = jnp.sum(w, axis=1, keepdims=True) + jnp.sum(
+      phiq * z_state, axis=1, keepdims=True)
+  y = jnp.where(den != 0, num / jnp.where(den != 0, den, 1.0), 0.0)
+  s_state, z_state = _fold(s_state, z_state, phik_old, v_old, key_start, lo,
+                           hi)
+  return y, s_state, z_state
+
+
+def _fold(s_state, z_state, phik, v, key_start, lo, hi):
+  """Adds the keys phik [n, F], v [n, D] at padded indices key_start + i that
+  satisfy lo <= index < hi."""
+  n = phik.shape[0]
+  idx = key_start + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+  phik = jnp.where((idx >= lo) & (idx < hi), phik, 0.0)
+  s_state = s_state + jax.lax.dot_general(
+      phik, v, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  z_state = z_state + jnp.sum(phik, axis=0, keepdims=True)
+  return s_state, z_state
+
+
+# ----------------------------------------------------------------- TPU
+
+
+def _tpu_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window, nb,
+              chunk, groups, scale, interpret):
+  b, h, n, d = q.shape
+  f = phiq.shape[-1]
+  num_chunks = n // chunk
+  nblk = nb + 1
+
+  def kernel(sc_ref, g_ref, q_ref, pq_ref, s0_ref, z0_ref, *refs):
+    k_refs, v_refs, pk_refs = refs[:nblk], refs[nblk:2 * nblk], refs[
+        2 * nblk:3 * nblk]
+    y_ref, s_ref, z_ref, s_scr, z_scr = refs[3 * nblk:]
+    bi, hi_, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo, hi = sc_ref[bi, 0], sc_ref[bi, 1]
+
+    @pl.when(c == 0)
+    def _():
+      s_scr[...] = s0_ref[...]
+      z_scr[...] = z0_ref[...]
+
+    cat = lambda rs: jnp.concatenate([r[...].astype(jnp.float32) for r in rs],
+                                     axis=0)
+    kb, vb, phikb = cat(k_refs), cat(v_refs), cat(pk_refs)
+    key_start = c * chunk
+    y, s_new, z_new = _chunk_update(
+        q_ref[...].astype(jnp.float32), kb, vb, pq_ref[...], phikb,
+        s_scr[...], z_scr[...], v_refs[0][...].astype(jnp.float32),
+        pk_refs[0][...], gamma=g_ref[hi_], lo=lo, hi=hi,
+        key_start=key_start, window=window, nb=nb, chunk=chunk, scale=scale)
+    y_ref[...] = y.astype(y_ref.dtype)
+    s_scr[...] = s_new
+    z_scr[...] = z_new
+
+    @pl.when(c == num_chunks - 1)
+    def _():
+      s_fin, z_fin = s_new, z_new
+      if nb:  # the last nb chunks never left a block
+        s_fin, z_fin = _fold(s_fin, z_fin, cat(pk_refs[1:]), cat(v_refs[1:]),
+                             key_start + chunk, lo, hi)
+      s_ref[...] = s_fin
+      z_ref[...] = z_fin
+
+  q_spec = pl.BlockSpec((None, None, chunk, d), lambda i, j, c, *_: (i, j, c, 0))
+  pq_spec = pl.BlockSpec((None, None, chunk, f),
+                         lambda i, j, c, *_: (i, j, c, 0))
+  state_spec = pl.BlockSpec((None, None, f, d), lambda i, j, c, *_: (i, j, 0, 0))
+  z_spec = pl.BlockSpec((None, None, 1, f), lambda i, j, c, *_: (i, j, 0, 0))
+  kv_specs = [pl.BlockSpec((None, None, chunk, d),
+                           lambda i, j, c, *_, o=o: (i, jax.lax.div(j, groups), c + o,
+                                                      0))
+              for o in range(nblk)]
+  pk_specs = [pl.BlockSpec((None, None, chunk, f),
+                           lambda i, j, c, *_, o=o: (i, j, c + o, 0))
+              for o in range(nblk)]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2, grid=(b, h, num_chunks),
+      in_specs=[q_spec, pq_spec, state_spec, z_spec] + kv_specs + kv_specs +
+      pk_specs,
+      out_specs=[q_spec, state_spec, z_spec],
+      scratch_shapes=[pltpu.VMEM((f, d), jnp.float32),
+                      pltpu.VMEM((1, f), jnp.float32)])
+  return pl.pallas_call(
+      kernel, grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct(s0.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(z0.shape, jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=('parallel', 'parallel', 'arbitrary')),
+      interpret=interpret, name='orthros_linear_prefill',
+  )(scalars, gamma, q, phiq, s0, z0, *([k] * nblk), *([v] * nblk),
+    *([phik] * nblk))
+
+
+# ----------------------------------------------------------------- GPU
+
+
+def _gpu_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window, nb,
+              chunk, groups, scale, interpret):
+  b, h, n, d = q.shape
+  f = phiq.shape[-1]
+  nk = k.shape[2]
+  num_chunks = n // chunk
+  s_len = (nb + 1) * chunk
+  # Scalars as small power-of-two rows: [B, 16] int32 and [H, 16] float32.
+  sc_rows = jnp.zeros((b, 16), jnp.int32).at[:, :2].set(scalars)
+  g_rows = jnp.broadcast_to(gamma[:, None], (h, 16))
+
+  def kernel(sc_ref, g_ref, q_ref, k_ref, v_ref, pq_ref, pk_ref, s0_ref,
+             z0_ref, y_ref, s_ref, z_ref):
+    lo, hi = sc_ref[0], sc_ref[1]
+    gamma_h = g_ref[0]
+
+    def body(c, state):
+      s_state, z_state = state
+      start = pl.multiple_of(c * chunk, chunk)
+      rows = pl.ds(start, chunk)
+      block = pl.ds(start, s_len)
+      y, s_state, z_state = _chunk_update(
+          q_ref[rows, :].astype(jnp.float32),
+          k_ref[block, :].astype(jnp.float32),
+          v_ref[block, :].astype(jnp.float32), pq_ref[rows, :],
+          pk_ref[block, :], s_state, z_state,
+          v_ref[rows_k := pl.ds(start, chunk), :].astype(jnp.float32),
+          pk_ref[rows_k, :], gamma=gamma_h, lo=lo, hi=hi,
+          key_start=start, window=window, nb=nb, chunk=chunk, scale=scale)
+      y_ref[rows, :] = y.astype(y_ref.dtype)
+      return s_state, z_state
+
+    s_state, z_state = jax.lax.fori_loop(0, num_chunks, body,
+                                         (s0_ref[...], z0_ref[...]))
+    if nb:
+      tail = pl.ds(num_chunks * chunk, nb * chunk)
+      s_state, z_state = _fold(s_state, z_state, pk_ref[tail, :],
+                               v_ref[tail, :].astype(jnp.float32),
+                               num_chunks * chunk, lo, hi)
+    s_ref[...] = s_state
+    z_ref[...] = z_state
+
+  spec = lambda rows, cols, head: pl.BlockSpec((None, None, rows, cols), head)
+  per_head = lambda i, j: (i, j, 0, 0)
+  per_kv_head = lambda i, j: (i, jax.lax.div(j, groups), 0, 0)
+  return pl.pallas_call(
+      kernel, grid=(b, h),
+      in_specs=[pl.BlockSpec((None, 16), lambda i, j: (i, 0)),
+                pl.BlockSpec((None, 16), lambda i, j: (j, 0)),
+                spec(n, d, per_head), spec(nk, d, per_kv_head),
+                spec(nk, d, per_kv_head), spec(n, f, per_head),
+                spec(nk, f, per_head), spec(f, d, per_head),
+                spec(1, f, per_head)],
+      out_specs=[spec(n, d, per_head), spec(f, d, per_head),
+                 spec(1, f, per_head)],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct(s0.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(z0.shape, jnp.float32)],
+      compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret, name='orthros_linear_prefill',
+  )(sc_rows, g_rows, q, k, v, phiq, phik, s0, z0)
+
+
+# ----------------------------------------------------------------- wrapper
+
+
+def _layout(q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix, *,
+            window, chunk, nb, pad_dims):
+  """Builds the padded head-major operands and the per-example scalars."""
+  b, t, h, d = q.shape
+  kh, f = k.shape[2], phi_q.shape[-1]
+  lengths = (jnp.full((b,), t, jnp.int32) if lengths is None
+             else jnp.asarray(lengths, jnp.int32))
+  p = 0 if prefix is None else prefix.k.shape[1]
+  if prefix is not None:
+    # The kernel assumes the valid prefix entries are the last ones (a
+    # history shorter than P is left-padded), as the model builds it.
+    n_valid = jnp.sum(prefix.valid.astype(jnp.int32), axis=1)
+    q = jnp.concatenate([jnp.zeros((b, p, h, d), q.dtype), q], axis=1)
+    phi_q = jnp.concatenate([jnp.zeros((b, p, h, f), phi_q.dtype), phi_q], 1)
+    k = jnp.concatenate([prefix.k.astype(k.dtype), k], axis=1)
+    v = jnp.concatenate([prefix.v.astype(v.dtype), v], axis=1)
+    phi_k = jnp.concatenate([prefix.phi_k.astype(phi_k.dtype), phi_k], axis=1)
+  else:
+    n_valid = jnp.zeros((b,), jnp.int32)
+  n = p + t
+  n_pad = -(-n // chunk) * chunk
+  front = nb * chunk
+  lo = front + p - n_valid
+  hi = front + p + lengths - window
+  scalars = jnp.stack([lo, hi], axis=1).astype(jnp.int32)  # [B, 2]
+  d_pad = _next_pow2(d) if pad_dims else d
+  f_pad = _next_pow2(f) if pad_dims else f
+
+  def arrange(x, width, front_pad):  # [B, N, X, W] -> [B, X, front+Np, W']
+    x = jnp.pad(x, [(0, 0), (front_pad, n_pad - n), (0, 0), (0, width -
+                                                             x.shape[-1])])
+    return jnp.swapaxes(x, 1, 2)
+
+  ops = dict(
+      q=arrange(q, d_pad, 0), phiq=arrange(phi_q.astype(jnp.float32), f_pad, 0),
+      k=arrange(k, d_pad, front), v=arrange(v, d_pad, front),
+      phik=arrange(phi_k.astype(jnp.float32), f_pad, front))
+  state = initial_state or LinearState(
+      jnp.zeros((b, h, f, d), jnp.float32), jnp.zeros((b, h, f), jnp.float32))
+  ops['s0'] = jnp.pad(state.S.astype(jnp.float32),
+                      [(0, 0), (0, 0), (0, f_pad - f), (0, d_pad - d)])
+  ops['z0'] = jnp.pad(state.z.astype(jnp.float32),
+                      [(0, 0), (0, 0), (0, f_pad - f)])[:, :, None, :]
+  return scalars, gamma.astype(jnp.float32), ops, (b, t, h, d, f, p, n)
+
+
+def _kernel_forward(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
+                    prefix, *, window, chunk_size, interpret, platform):
+  b, t, h, d = q.shape
+  groups = h // k.shape[2]
+  scale = 1.0 / float(d) ** 0.5
+  n = t + (0 if prefix is None else prefix.k.shape[1])
+  num_chunks = -(-n // chunk_size)
+  nb = -(-(window - 1) // chunk_size) if window > 1 else 0
+  nb = min(nb, num_chunks - 1)
+  gpu = platform == 'gpu'
+  if gpu:  # Triton: the key block (nb + 1) * C must be a power of two.
+    nb = _next_pow2(nb + 1) - 1
+  scalars, gamma32, ops, dims = _layout(
+      q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix,
+      window=window, chunk=chunk_size, nb=nb, pad_dims=gpu)
+  call = _gpu_call if gpu else _tpu_call
+  y, s, z = call(scalars, gamma32, ops['q'], ops['k'], ops['v'], ops['phiq'],
+                 ops['phik'], ops['s0'], ops['z0'], window=window, nb=nb,
+                 chunk=chunk_size, groups=groups, scale=scale,
+                 interpret=interpret)
+  _, t, h, d, f, p, n = dims
+  y = jnp.swapaxes(y, 1, 2)[:, p:n, :, :d]
+  return y, LinearState(s[:, :, :f, :d], z[:, :, 0, :f])
+
+
+def _check_args(q, k, v, phi_q, phi_k, gamma, window, chunk_size):
+  if window < 0 or chunk_size < 1:
+    raise ValueError(f'window={window} must be >= 0 and chunk_size='
+                     f'{chunk_size} >= 1')
+  b, t, h, d = q.shape
+  if k.shape[:2] != (b, t) or v.shape != k.shape or h % k.shape[2]:
+    raise ValueError(f'shapes q {q.shape}, k {k.shape}, v {v.shape} do not '
+                     'form [B,T,H,D], [B,T,K,D] with H % K == 0')
+  if phi_q.shape[:3] != (b, t, h) or phi_k.shape != phi_q.shape:
+    raise ValueError(f'phi_q {phi_q.shape} and phi_k {phi_k.shape} must both '
+                     'be [B, T, H, F]')
+  if gamma.shape != (h,):
+    raise ValueError(f'gamma must be [H]={h}; got {gamma.shape}')
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _linear_prefill(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
+                    prefix, window, chunk_size, interpret, platform):
+  if platform is not None:  # a forced schedule (tests, interpret mode)
+    return _kernel_forward(q, k, v, phi_q, phi_k, gamma, lengths,
+                           initial_state, prefix, window=window,
+                           chunk_size=chunk_size, interpret=interpret,
+                           platform=platform)
+  args = (q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix)
+  run = lambda plat: (lambda *a: _kernel_forward(
+      *a, window=window, chunk_size=chunk_size, interpret=interpret,
+      platform=plat))
+  ref = lambda *a: reference(*a[:6], window=window, chunk_size=chunk_size,
+                             lengths=a[6], initial_state=a[7], prefix=a[8])
+  return jax.lax.platform_dependent(*args, tpu=run('tpu'), cuda=run('gpu'),
+                                    rocm=run('gpu'), default=ref)
+
+
+def _fwd(q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix, window,
+         chunk_size, interpret, platform):
+  out = _linear_prefill(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
+                        prefix, window, chunk_size, interpret, platform)
+  return out, (q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix)
+
+
+def _bwd(window, chunk_size, interpret, platform, residuals, cotangents):
+  del interpret, platform
+  q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix = residuals
+  f = lambda q, k, v, phi_q, phi_k, gamma, initial_state, prefix: reference(
+      q, k, v, phi_q, phi_k, gamma, window=window, chunk_size=chunk_size,
+      lengths=lengths, initial_state=initial_state, prefix=prefix)
+  _, vjp = jax.vjp(f, q, k, v, phi_q, phi_k, gamma, initial_state, prefix)
+  dq, dk, dv, dpq, dpk, dg, dstate, dprefix = vjp(cotangents)
+  dlengths = None if lengths is None else jnp.zeros(
+      lengths.shape, jax.dtypes.float0)
+  return dq, dk, dv, dpq, dpk, dg, dlengths, dstate, dprefix
+
+
+_linear_prefill.defvjp(_fwd, _bwd)
+
+
+def linear_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
+                   gamma: Array, *, window: int, chunk_size: int,
+                   lengths: Array | None = None,
+                   initial_state: LinearState | None = None,
+                   prefix: WindowPrefix | None = None, interpret: bool = False,
+                   platform: str | None = None) -> tuple[Array, LinearState]:
+  """The Orthros prefill as a Pallas kernel; same arguments and outputs as
+  `orthros_jax.attention.orthros_prefill`.
+
+  interpret: run the kernel body in the Pallas interpreter (CPU tests).
+  platform: None picks the schedule when lowering ('tpu' on TPU, 'gpu' on
+    CUDA/ROCm, the XLA reference elsewhere); 'tpu' or 'gpu' forces one
+    (with interpret=True both run on CPU).
+  chunk_size: a multiple of 8 on TPU and a power of two on GPU.
+  """
+  _check_args(q, k, v, phi_q, phi_k, gamma, window, chunk_size)
+  if platform not in (None, 'tpu', 'gpu'):
+    raise ValueError(f"platform={platform!r}: expected None, 'tpu' or 'gpu'")
+  if lengths is not None:
+    lengths = jnp.asarray(lengths, jnp.int32)
+  return _linear_prefill(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
+                         prefix, window, chunk_size, interpret, platform)
