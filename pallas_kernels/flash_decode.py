@@ -246,8 +246,11 @@ def flash_decode(q: Array, k_cache: Array, v_cache: Array, lengths: Array, *,
   run = functools.partial(_kernel, interpret=interpret, max_split=max_split)
   if platform is not None:
     return run(q, k_cache, v_cache, lengths, platform=platform)
+  # Every branch is traced, so one the GPU schedule cannot take (a head_dim
+  # that is not a power of two) must not be built: XLA serves GPUs then.
+  gpu = (functools.partial(run, platform='gpu')
+         if _next_pow2(q.shape[3]) == q.shape[3] else reference)
   return jax.lax.platform_dependent(
       q, k_cache, v_cache, lengths,
-      tpu=functools.partial(run, platform='tpu'),
-      cuda=functools.partial(run, platform='gpu'),
-      rocm=functools.partial(run, platform='gpu'), default=reference)
+      tpu=functools.partial(run, platform='tpu'), cuda=gpu, rocm=gpu,
+      default=reference)

@@ -198,15 +198,16 @@ def _gpu_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window, nb,
     def body(c, state):
       s_state, z_state = state
       start = pl.multiple_of(c * chunk, chunk)
-      rows = pl.ds(start, chunk)
-      block = pl.ds(start, s_len)
+      rows = pl.ds(start, chunk)   # this chunk's queries
+      block = pl.ds(start, s_len)  # its key block (padded coordinates)
+      oldest = pl.ds(start, chunk)  # the block's first chunk, folded after
       y, s_state, z_state = _chunk_update(
           q_ref[rows, :].astype(jnp.float32),
           k_ref[block, :].astype(jnp.float32),
           v_ref[block, :].astype(jnp.float32), pq_ref[rows, :],
           pk_ref[block, :], s_state, z_state,
-          v_ref[rows_k := pl.ds(start, chunk), :].astype(jnp.float32),
-          pk_ref[rows_k, :], gamma=gamma_h, lo=lo, hi=hi,
+          v_ref[oldest, :].astype(jnp.float32), pk_ref[oldest, :],
+          gamma=gamma_h, lo=lo, hi=hi,
           key_start=start, window=window, nb=nb, chunk=chunk, scale=scale)
       y_ref[rows, :] = y.astype(y_ref.dtype)
       return s_state, z_state
@@ -321,7 +322,8 @@ def _check_args(q, k, v, phi_q, phi_k, gamma, window, chunk_size):
     raise ValueError(f'window={window} must be >= 0 and chunk_size='
                      f'{chunk_size} >= 1')
   b, t, h, d = q.shape
-  if k.shape[:2] != (b, t) or v.shape != k.shape or h % k.shape[2]:
+  if (k.shape != (b, t, k.shape[2], d) or v.shape != k.shape
+      or h % k.shape[2]):
     raise ValueError(f'shapes q {q.shape}, k {k.shape}, v {v.shape} do not '
                      'form [B,T,H,D], [B,T,K,D] with H % K == 0')
   if phi_q.shape[:3] != (b, t, h) or phi_k.shape != phi_q.shape:

@@ -105,6 +105,14 @@ def _mask(q_pos, kv_len, s, causal):
   return mask
 
 
+def _zero_invalid(v, kv_len, start):
+  """v [B, N, K, D] as float32 with keys at start + n >= kv_len zeroed: they
+  get probability 0, but garbage there (even NaN) must not reach p @ v."""
+  j = start + jnp.arange(v.shape[1], dtype=jnp.int32)
+  valid = j[None, :] < kv_len[:, None]
+  return jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
+
+
 def _attend_naive(q, k, v, q_pos, kv_len, *, causal):
   b, t, h, d = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -117,7 +125,7 @@ def _attend_naive(q, k, v, q_pos, kv_len, *, causal):
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(scores - m)
   l = jnp.sum(p, axis=-1)  # [B, K, G, T]
-  o = jnp.einsum('bkgts,bskd->btkgd', p, v.astype(jnp.float32))
+  o = jnp.einsum('bkgts,bskd->btkgd', p, _zero_invalid(v, kv_len, 0))
   l = jnp.moveaxis(l, 3, 1)[..., None]  # [B, T, K, G, 1]
   o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
   return o.reshape(b, t, h, d).astype(q.dtype)
@@ -179,7 +187,7 @@ def _attend_blocked(q, k, v, q_pos, kv_len, *, causal, block):
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         l = l * alpha + jnp.sum(p, axis=-1)
         acc = acc * alpha[..., None] + jnp.einsum(
-            'bkgqs,bskd->bkgqd', p, vb.astype(jnp.float32))
+            'bkgqs,bskd->bkgqd', p, _zero_invalid(vb, kv_len, start))
         return m_new, l, acc
 
       return jax.lax.cond(needed, compute, lambda c: c, carry), None
