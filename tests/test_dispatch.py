@@ -1,0 +1,109 @@
+"""`AttentionConfig.impl` dispatch, and the model running its prefill and
+decode through the Pallas kernels (interpret mode, backend faked)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import orthros_jax as oj
+from orthros_jax import Transformer
+from orthros_jax.attention import decode_attention
+from orthros_jax.attention import dispatch
+from orthros_jax.attention import orthros_prefill
+from orthros_jax.attention import softmax_attention
+import pallas_kernels.flash_decode
+import pallas_kernels.linear_prefill
+from test_model import init_params
+from test_model import make_config
+from test_model import random_tokens
+
+
+def test_cpu_dispatch():
+  assert dispatch.prefill_impl('auto', chunk_size=8, head_dim=8) is orthros_prefill
+  assert dispatch.decode_impl('xla', head_dim=8) is decode_attention
+  assert dispatch.exact_attention('auto') is softmax_attention
+  with pytest.raises(ValueError, match="impl='pallas' needs a GPU or TPU"):
+    dispatch.prefill_impl('pallas', chunk_size=8, head_dim=8)
+  with pytest.raises(ValueError, match="impl='pallas' needs a GPU or TPU"):
+    dispatch.decode_impl('pallas', head_dim=8)
+  with pytest.raises(ValueError, match='unknown'):
+    dispatch.decode_impl('triton', head_dim=8)
+
+
+@pytest.mark.parametrize('backend', ['gpu', 'tpu'])
+def test_accelerator_dispatch(monkeypatch, backend):
+  monkeypatch.setattr(dispatch, '_backend', lambda: backend)
+  kernel = pallas_kernels.linear_prefill.linear_prefill
+  assert dispatch.prefill_impl('auto', chunk_size=16, head_dim=64) is kernel
+  assert dispatch.prefill_impl('pallas', chunk_size=16, head_dim=64) is kernel
+  assert dispatch.prefill_impl('xla', chunk_size=16,
+                               head_dim=64) is orthros_prefill
+  assert (dispatch.decode_impl('auto', head_dim=64) is
+          pallas_kernels.flash_decode.flash_decode)
+  # Shapes a kernel cannot take: 'auto' falls back, 'pallas' raises.
+  bad_chunk = 12 if backend == 'gpu' else 12 + 1
+  assert dispatch.prefill_impl('auto', chunk_size=bad_chunk,
+                               head_dim=64) is orthros_prefill
+  with pytest.raises(ValueError, match='chunk_size'):
+    dispatch.prefill_impl('pallas', chunk_size=bad_chunk, head_dim=64)
+  if backend == 'gpu':
+    assert dispatch.decode_impl('auto', head_dim=96) is decode_attention
+    with pytest.raises(ValueError, match='head_dim'):
+      dispatch.decode_impl('pallas', head_dim=96)
+
+
+@pytest.mark.parametrize('backend', ['gpu', 'tpu'])
+def test_model_runs_through_kernels(monkeypatch, backend):
+  """Prefill + decode of an Orthros model with impl='pallas' (kernels in
+  interpret mode) equals the XLA model."""
+  config = make_config(window=8, chunk=8, head_dim=8)
+  params = init_params(config)
+  x = random_tokens(9, (2, 19))
+  lengths = jnp.array([13, 6])
+
+  def both_phases(config):
+    # A fresh jit each time: the dispatch decision is made while tracing.
+    # (a new function object, since jax caches traces per function).
+    def apply(config, params, tokens, *, phase, cache, lengths=None,
+              all_logits=False):
+      return Transformer(config).apply(
+          {'params': params}, tokens, phase=phase, cache=cache,
+          lengths=lengths, all_logits=all_logits)
+
+    run_fresh = jax.jit(apply, static_argnames=('config', 'phase',
+                                                'all_logits'))
+    cache = oj.init_cache(config, 2, 24)
+    pre, cache = run_fresh(config, params, x[:, :13], phase='prefill',
+                           cache=cache, lengths=lengths, all_logits=True)
+    dec, cache = run_fresh(config, params, x[:, 13:16], phase='decode',
+                           cache=cache)
+    return pre, dec, cache
+
+  want = both_phases(config)
+  monkeypatch.setattr(dispatch, '_backend', lambda: backend)
+  calls = []
+
+  def interpreted(module, name):
+    kernel = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+      calls.append(name)
+      return kernel(*args, interpret=True, platform=backend, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+  interpreted(pallas_kernels.linear_prefill, 'linear_prefill')
+  interpreted(pallas_kernels.flash_decode, 'flash_decode')
+  got = both_phases(config.replace(attention={'impl': 'pallas'}))
+  # Traced once per layer: prefill through linear_prefill, decode through
+  # flash_decode.
+  assert calls.count('linear_prefill') == config.num_layers
+  assert calls.count('flash_decode') == config.num_layers
+  mask = np.arange(13)[None, :] < np.asarray(lengths)[:, None]
+  np.testing.assert_allclose(np.asarray(got[0])[mask],
+                             np.asarray(want[0])[mask], rtol=1e-5, atol=2e-5)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=2e-5)
+  for layer, ref in zip(got[2], want[2]):
+    np.testing.assert_allclose(layer.S, ref.S, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(layer.z, ref.z, rtol=1e-5, atol=2e-5)
