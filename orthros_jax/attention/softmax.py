@@ -24,8 +24,6 @@ Array = jax.Array
 # Above this many (query, key) pairs per head the blocked path is used.
 _NAIVE_MAX_PAIRS = 1 << 20
 _DEFAULT_BLOCK = 512
-# Up to this many query rows per kv head, `_attend_skinny` is used.
-_SKINNY_ROWS = 8
 
 
 def softmax_attention(q: Array, k: Array, v: Array, *, causal: bool = True,
@@ -89,8 +87,6 @@ def _check_shapes(q, k, v):
 def _attend(q, k, v, q_pos, kv_len, *, causal, block_size):
   t, s = q.shape[1], k.shape[1]
   if block_size is None:
-    if t * (q.shape[2] // k.shape[2]) <= _SKINNY_ROWS:
-      return _attend_skinny(q, k, v, q_pos, kv_len, causal=causal)
     if t * s <= _NAIVE_MAX_PAIRS:
       return _attend_naive(q, k, v, q_pos, kv_len, causal=causal)
     block_size = _DEFAULT_BLOCK
@@ -115,29 +111,6 @@ def _zero_invalid(v, kv_len, start):
   j = start + jnp.arange(v.shape[1], dtype=jnp.int32)
   valid = j[None, :] < kv_len[:, None]
   return jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
-
-
-def _attend_skinny(q, k, v, q_pos, kv_len, *, causal):
-  """Few query rows per kv head (decoding): multiply-and-reduce in the
-  cache's own [B, S, K, D] layout, so XLA streams the cache once instead of
-  transposing it for a skinny matmul (CPU)."""
-  b, t, h, d = q.shape
-  s, kh = k.shape[1], k.shape[2]
-  g = h // kh
-  qg = q.astype(jnp.float32).reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4)
-  kf = k.astype(jnp.float32)[:, :, :, None, None, :]  # [B, S, K, 1, 1, D]
-  scores = jnp.sum(qg[:, None] * kf, axis=-1) / jnp.sqrt(d)  # [B, S, K, G, T]
-  mask = jnp.moveaxis(_mask(q_pos, kv_len, s, causal), 2, 1)  # [B, S, T]
-  scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
-  m = jnp.max(scores, axis=1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp(scores - m)
-  l = jnp.sum(p, axis=1)  # [B, K, G, T]
-  vf = _zero_invalid(v, kv_len, 0)[:, :, :, None, None, :]
-  o = jnp.sum(p[..., None] * vf, axis=1)  # [B, K, G, T, D]
-  o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None],
-                0.0)
-  return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
 def _attend_naive(q, k, v, q_pos, kv_len, *, causal):
