@@ -1,0 +1,75 @@
+"""Stage 1 of the conversion: attention transfer.
+
+The dense teacher runs once over a batch; for every layer we keep the input
+of its attention (the normed residual stream) and the attention's output.
+Each layer's Orthros attention, with the teacher's q/k/v/o weights frozen,
+is then trained so that its prefill output on the teacher's own input matches
+the teacher's output: the per-layer mean squared error over valid tokens,
+summed over layers (LoLCATs). Layers are independent given the teacher's
+hidden states, so all of them train at once in one loss. Only the feature
+maps and window weights receive gradients (see `is_transfer_param`).
+
+Einsum legend: L layers, B batch, T tokens, E embed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from orthros_jax.config import ModelConfig
+from orthros_jax.model import Attention
+from orthros_jax.model import Transformer
+
+Array = jax.Array
+TRANSFER_PARAMS = ('phi_q', 'phi_k', 'window_logit')
+
+
+def is_transfer_param(path: tuple) -> bool:
+  """True for the params stage 1 trains (feature maps, window weights)."""
+  names = [getattr(p, 'key', getattr(p, 'name', str(p))) for p in path]
+  return any(n in TRANSFER_PARAMS for n in names)
+
+
+def teacher_attention_io(teacher: ModelConfig, params: dict,
+                         tokens: Array) -> tuple[Array, Array]:
+  """Each layer's attention input and output in the dense teacher.
+
+  Returns (inputs [L, B, T, E], outputs [L, B, T, E]) in float32.
+  """
+  if teacher.is_orthros:
+    teacher = teacher.replace(attention={'kind': 'dense'})
+  _, state = Transformer(teacher).apply(
+      {'params': params}, tokens, phase='forward',
+      capture_intermediates=lambda mdl, _: mdl.name in ('input_norm', 'attn'),
+      mutable=['intermediates'])
+  inter = state['intermediates']
+  layers = range(teacher.num_layers)
+  inputs = [inter[f'layers_{i}']['input_norm']['__call__'][0] for i in layers]
+  outputs = [inter[f'layers_{i}']['attn']['__call__'][0][0] for i in layers]
+  f32 = lambda xs: jnp.stack(xs).astype(jnp.float32)
+  return f32(inputs), f32(outputs)
+
+
+def transfer_loss(params: dict, config: ModelConfig, inputs: Array,
+                  outputs: Array, weights: Array | None = None
+                  ) -> tuple[Array, Array]:
+  """Sum over layers of the MSE between the Orthros prefill output and the
+  teacher output. inputs/outputs: [L, B, T, E]; weights: [B, T] (1 = valid
+  token; default all). Returns (loss, per-layer MSE [L])."""
+  if not config.is_orthros:
+    raise ValueError('attention transfer needs an Orthros config '
+                     "(attention.kind='orthros')")
+  _, b, t, _ = inputs.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  weights = jnp.ones((b, t), jnp.float32) if weights is None else weights
+  denom = jnp.maximum(jnp.sum(weights), 1.0) * inputs.shape[-1]
+  per_layer = []
+  for i in range(config.num_layers):
+    y, _ = Attention(config).apply(
+        {'params': params[f'layers_{i}']['attn']},
+        inputs[i].astype(config.dtype), positions, phase='forward')
+    err = jnp.square(y.astype(jnp.float32) - outputs[i])
+    per_layer.append(jnp.sum(err * weights[..., None]) / denom)
+  per_layer = jnp.stack(per_layer)
+  return jnp.sum(per_layer), per_layer

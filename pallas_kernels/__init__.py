@@ -1,0 +1,1 @@
+"""Pallas kernels (TPU and GPU) for the Orthros prefill and exact decode."""

@@ -1,0 +1,166 @@
+"""Conversion building blocks: attention transfer (stage 1) and LoRA."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import orthros_jax as oj
+from orthros_jax.conversion.lora import init_lora
+from orthros_jax.conversion.lora import merge_lora
+from orthros_jax.conversion.transfer import is_transfer_param
+from orthros_jax.conversion.transfer import teacher_attention_io
+from orthros_jax.conversion.transfer import transfer_loss
+from orthros_jax.model import Transformer
+from orthros_jax.model import init_orthros_params
+
+TEACHER = oj.ModelConfig(vocab_size=64, num_layers=2, embed_dim=32,
+                         num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init(config, rng):
+  return nn.unbox(Transformer(config).init(rng, jnp.zeros((1, 8), jnp.int32),
+                                           phase='forward')['params'])
+
+
+def orthros_params(teacher_params, config, seed=1):
+  params = jax.tree.map(lambda x: x, teacher_params)
+  for layer, extra in init_orthros_params(config,
+                                          jax.random.PRNGKey(seed)).items():
+    params[layer]['attn'] = dict(params[layer]['attn'], **extra['attn'])
+  return params
+
+
+def test_teacher_io_is_the_teachers_attention():
+  params = _init(TEACHER, jax.random.PRNGKey(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 11), 0, 64)
+  inputs, outputs = teacher_attention_io(TEACHER, params, tokens)
+  assert inputs.shape == outputs.shape == (2, 2, 11, 32)
+  # Layer 0's input is the RMS-normed embedding.
+  x = np.asarray(params['embed']['embedding'])[np.asarray(tokens)]
+  scale = np.asarray(params['layers_0']['input_norm']['scale'])
+  want = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + TEACHER.norm_eps)
+  np.testing.assert_allclose(inputs[0], want * scale, rtol=1e-5, atol=1e-6)
+  # Layer 1's input is built from layer 0's output: residual, MLP, norm.
+  assert not np.allclose(inputs[1], inputs[0])
+
+
+def test_transfer_loss_is_zero_when_the_window_covers_the_sequence():
+  """W >= T: the prefill formula is exact softmax, whatever phi."""
+  params = _init(TEACHER, jax.random.PRNGKey(0))
+  config = TEACHER.replace(attention={'kind': 'orthros', 'window': 16,
+                                      'chunk_size': 4, 'feature_dim': 4})
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 13), 0, 64)
+  inputs, outputs = teacher_attention_io(TEACHER, params, tokens)
+  loss, per_layer = transfer_loss(orthros_params(params, config), config,
+                                  inputs, outputs)
+  assert per_layer.shape == (2,)
+  assert float(loss) < 1e-10
+
+
+def test_stage1_lowers_mse_and_touches_only_feature_maps():
+  teacher_params = _init(TEACHER, jax.random.PRNGKey(0))
+  config = TEACHER.replace(attention={'kind': 'orthros', 'window': 8,
+                                      'chunk_size': 8, 'feature_dim': 8})
+  params = orthros_params(teacher_params, config)
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (8, 64), 0, 64)
+  inputs, outputs = teacher_attention_io(TEACHER, teacher_params, tokens)
+  train = jax.tree_util.tree_map_with_path(lambda p, _: is_transfer_param(p),
+                                           params)
+  opt = optax.multi_transform(
+      {True: optax.adam(1e-2), False: optax.set_to_zero()}, train)
+  opt_state = opt.init(params)
+
+  @jax.jit
+  def step(params, opt_state):
+    (loss, _), grads = jax.value_and_grad(transfer_loss, has_aux=True)(
+        params, config, inputs, outputs)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  first = None
+  for _ in range(200):
+    params, opt_state, loss = step(params, opt_state)
+    first = float(loss) if first is None else first
+  final = float(transfer_loss(params, config, inputs, outputs)[0])
+  assert first / final >= 3.0, (first, final)
+  for path, value in jax.tree_util.tree_leaves_with_path(params):
+    before = functools.reduce(lambda t, k: t[k.key], path, teacher_params) \
+        if not is_transfer_param(path) else None
+    if before is not None:
+      np.testing.assert_array_equal(value, before)
+
+
+def test_lora_starts_at_base_and_merges_exactly():
+  params = _init(TEACHER, jax.random.PRNGKey(0))
+  lora = init_lora(params, jax.random.PRNGKey(3), rank=4)
+  assert set(lora['layers_1']) == {'q_proj', 'k_proj', 'v_proj', 'o_proj'}
+  assert lora['layers_0']['q_proj']['a'].shape == (32, 4)
+  assert lora['layers_0']['q_proj']['b'].shape == (4, 32)
+  assert lora['layers_0']['k_proj']['b'].shape == (4, 16)
+  assert lora['layers_0']['o_proj']['a'].shape == (32, 4)
+  merged = merge_lora(params, lora, alpha=8.0)
+  for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)  # B = 0 at init
+  # Non-zero B: the merged kernel is W + (alpha / r) A B, base untouched.
+  rng = np.random.default_rng(0)
+  lora = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape),
+                                            jnp.float32), lora)
+  base_q = np.array(params['layers_1']['attn']['q_proj']['kernel'])
+  merged = merge_lora(params, lora, alpha=8.0)
+  ab = np.asarray(lora['layers_1']['q_proj']['a'] @ lora['layers_1'][
+      'q_proj']['b']) * 2.0
+  np.testing.assert_allclose(merged['layers_1']['attn']['q_proj']['kernel'],
+                             base_q + ab.reshape(32, 4, 8), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_array_equal(params['layers_1']['attn']['q_proj']['kernel'],
+                                base_q)
+  o_delta = np.asarray(lora['layers_0']['o_proj']['a'] @ lora['layers_0'][
+      'o_proj']['b']) * 2.0
+  np.testing.assert_allclose(
+      merged['layers_0']['attn']['o_proj']['kernel'],
+      np.asarray(params['layers_0']['attn']['o_proj']['kernel']) +
+      o_delta.reshape(4, 8, 32), rtol=1e-5, atol=1e-5)
+  # Untargeted params are shared, not copied into something else.
+  np.testing.assert_array_equal(merged['layers_0']['mlp']['up_proj']['kernel'],
+                                params['layers_0']['mlp']['up_proj']['kernel'])
+
+
+def test_lora_gradients_reach_only_the_adapters_and_merged_model_generates():
+  config = TEACHER.replace(attention={'kind': 'orthros', 'window': 4,
+                                      'chunk_size': 4, 'feature_dim': 4})
+  params = orthros_params(_init(TEACHER, jax.random.PRNGKey(0)), config)
+  lora = init_lora(params, jax.random.PRNGKey(3), rank=2)
+  tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 12), 0, 64)
+
+  def loss(lora):
+    logits, _ = Transformer(config).apply(
+        {'params': merge_lora(params, lora, alpha=4.0)}, tokens,
+        phase='forward', split=6)
+    return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+
+  grads = jax.grad(loss)(lora)
+  # dL/dB is non-zero (B starts at 0, A does not); dL/dA is 0 at B = 0.
+  assert float(jnp.abs(grads['layers_0']['q_proj']['b']).max()) > 0
+  lora = jax.tree.map(lambda p, g: p - 0.5 * g, lora, grads)
+  merged = merge_lora(params, lora, alpha=4.0)
+  out = oj.generate(config, merged, [[1, 2, 3, 4, 5]], max_new_tokens=4)
+  assert out.tokens.shape == (1, 4)
+
+
+def test_lora_errors():
+  params = _init(TEACHER, jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match='rank'):
+    init_lora(params, jax.random.PRNGKey(0), rank=0)
+  with pytest.raises(ValueError, match='gate_proj'):
+    init_lora(params, jax.random.PRNGKey(0), targets=('gate_proj',))
+  with pytest.raises(ValueError, match='layers_'):
+    init_lora({'embed': {}}, jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match='Orthros'):
+    transfer_loss(params, TEACHER, jnp.zeros((2, 1, 4, 32)),
+                  jnp.zeros((2, 1, 4, 32)))
