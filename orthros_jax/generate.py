@@ -32,8 +32,10 @@ class GenerateOutput:
   lengths: [B] generated tokens per sequence (an EOS included);
   prompt_lengths: [B]; boundary: [B] prompt tokens that went through the
   prefill (the rest of each prompt went through exact decode); cache: the
-  final cache (prompt and generated tokens but the last one, also for
-  sequences that stopped early), to continue a conversation."""
+  final cache (prompt and generated tokens but the last one), to continue a
+  conversation. A sequence that stopped at EOS keeps decoding `pad_id` until
+  the batch ends, so its cache also holds those pad tokens: continue from it
+  only for sequences with lengths == max_new_tokens, or re-prefill."""
   tokens: np.ndarray
   lengths: np.ndarray
   prompt_lengths: np.ndarray
@@ -177,7 +179,10 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
                        f'{prompt_lengths.shape} for {tokens.shape[0]} prompts')
   b = tokens.shape[0]
   _check_generate_args(config, tokens, prompt_lengths, max_new_tokens,
-                       temperature, top_k, top_p, rng, eos_id)
+                       temperature, top_k, top_p, rng, eos_id, pad_id)
+  # Whatever lies past each prompt is replaced by pad_id (a valid id).
+  tokens = np.where(np.arange(tokens.shape[1])[None, :] <
+                    prompt_lengths[:, None], tokens, pad_id).astype(np.int32)
   needed = int(prompt_lengths.max()) + max_new_tokens
   max_len = needed if max_len is None else max_len
   if needed > max_len:
@@ -220,7 +225,7 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
 
 
 def _check_generate_args(config, tokens, lengths, max_new_tokens, temperature,
-                         top_k, top_p, rng, eos_id):
+                         top_k, top_p, rng, eos_id, pad_id):
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f'max_new_tokens={max_new_tokens!r} must be an int >= 1')
   if np.any(lengths < 1) or np.any(lengths > tokens.shape[1]):
@@ -240,6 +245,9 @@ def _check_generate_args(config, tokens, lengths, max_new_tokens, temperature,
     raise ValueError(f'top_k={top_k} must be in [1, {config.vocab_size}]')
   if top_p is not None and not 0.0 < top_p <= 1.0:
     raise ValueError(f'top_p={top_p} must be in (0, 1]')
+  if not 0 <= pad_id < config.vocab_size:
+    raise ValueError(f'pad_id={pad_id} must be a token id in [0, '
+                     f'{config.vocab_size})')
   if eos_id is not None and not 0 <= eos_id < config.vocab_size:
     raise ValueError(f'eos_id={eos_id} must be a token id in [0, '
                      f'{config.vocab_size})')

@@ -139,12 +139,12 @@ class Attention(nn.Module):
 
   def _prefill_fn(self):
     a = self.config.attention
-    return dispatch.prefill_impl(a.impl, chunk_size=a.chunk_size,
-                                 head_dim=self.config.head_dim)
+    return dispatch.prefill_impl(a.impl, chunk_size=a.chunk_size)
 
-  def _decode_fn(self):
-    return dispatch.decode_impl(self.config.attention.impl,
-                                head_dim=self.config.head_dim)
+  def _decode_fn(self, num_tokens: int):
+    return dispatch.decode_impl(
+        self.config.attention.impl, head_dim=self.config.head_dim,
+        query_rows=self.config.num_groups * num_tokens)
 
   def _orthros_inputs(self, q, k):
     gamma = jax.nn.sigmoid(self.window_logit.astype(jnp.float32))
@@ -177,7 +177,7 @@ class Attention(nn.Module):
     if not cfg.is_orthros:
       # Query t of example b sits at start[b] + t, as `decode_attention`
       # places the last T of start + T keys.
-      y = self._decode_fn()(q, k_cache, v_cache, start + t)
+      y = self._decode_fn(t)(q, k_cache, v_cache, start + t)
       return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     a = cfg.attention
     phi_q, phi_k, gamma = self._orthros_inputs(q, k)
@@ -200,7 +200,7 @@ class Attention(nn.Module):
     k_cache, v_cache = cache_lib.write_kv(cache, k, v,
                                           jnp.ones((b, t), bool))
     new_lengths = cache.lengths + t
-    y = self._decode_fn()(q, k_cache, v_cache, new_lengths)
+    y = self._decode_fn(t)(q, k_cache, v_cache, new_lengths)
     new_cache = cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     if cfg.is_orthros:
       # Tokens at old_len - W + i leave the window; fold them into (S, z).

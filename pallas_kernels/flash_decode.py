@@ -153,10 +153,14 @@ def _gpu_call(lengths, q, qpos, k_cache, v_cache, *, split, scale, interpret):
     def _():
       key_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, split), 1)
       key_col = start + jax.lax.broadcasted_iota(jnp.int32, (split, 1), 0)
-      o, mx, l = _partial(q_ref[...].astype(jnp.float32),
-                          k_ref[...].astype(jnp.float32),
-                          v_ref[...].astype(jnp.float32), pos_ref[...],
-                          key_pos, key_col, scale=scale)
+      # The last split may extend past the cache: Triton does not bound
+      # block loads, so mask them (no read outside the buffer).
+      inside = jnp.broadcast_to(key_col < s, (split, d))
+      load = lambda ref: pltr.load(ref, mask=inside, other=0.0).astype(
+          jnp.float32)
+      o, mx, l = _partial(q_ref[...].astype(jnp.float32), load(k_ref),
+                          load(v_ref), pos_ref[...], key_pos, key_col,
+                          scale=scale)
       o_ref[...], m_ref[...], l_ref[...] = o, mx, l
 
     @pl.when(jnp.logical_not(needed))

@@ -214,11 +214,12 @@ def _gpu_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window, nb,
 
     s_state, z_state = jax.lax.fori_loop(0, num_chunks, body,
                                          (s0_ref[...], z0_ref[...]))
-    if nb:
-      tail = pl.ds(num_chunks * chunk, nb * chunk)
+    for o in range(nb):  # the last nb chunks never left a block; one chunk
+      start = (num_chunks + o) * chunk  # at a time keeps loads power-of-two
+      tail = pl.ds(start, chunk)
       s_state, z_state = _fold(s_state, z_state, pk_ref[tail, :],
-                               v_ref[tail, :].astype(jnp.float32),
-                               num_chunks * chunk, lo, hi)
+                               v_ref[tail, :].astype(jnp.float32), start, lo,
+                               hi)
     s_ref[...] = s_state
     z_ref[...] = z_state
 
@@ -266,6 +267,14 @@ def _layout(q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix, *,
   else:
     n_valid = jnp.zeros((b,), jnp.int32)
   n = p + t
+  # Zero every key that does not exist (invalid prefix entries, padding past
+  # the length): their weights are 0, but 0 * NaN garbage would be NaN.
+  exists = jnp.arange(n)[None, :] < (p + lengths)[:, None]
+  if prefix is not None:
+    exists = exists & jnp.concatenate(
+        [prefix.valid.astype(bool), jnp.ones((b, t), bool)], axis=1)
+  zero = lambda x: jnp.where(exists[:, :, None, None], x, jnp.zeros((), x.dtype))
+  k, v, phi_k = zero(k), zero(v), zero(phi_k)
   n_pad = -(-n // chunk) * chunk
   front = nb * chunk
   lo = front + p - n_valid

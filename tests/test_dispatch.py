@@ -20,11 +20,11 @@ from test_model import random_tokens
 
 
 def test_cpu_dispatch():
-  assert dispatch.prefill_impl('auto', chunk_size=8, head_dim=8) is orthros_prefill
+  assert dispatch.prefill_impl('auto', chunk_size=8) is orthros_prefill
   assert dispatch.decode_impl('xla', head_dim=8) is decode_attention
   assert dispatch.exact_attention('auto') is softmax_attention
   with pytest.raises(ValueError, match="impl='pallas' needs a GPU or TPU"):
-    dispatch.prefill_impl('pallas', chunk_size=8, head_dim=8)
+    dispatch.prefill_impl('pallas', chunk_size=8)
   with pytest.raises(ValueError, match="impl='pallas' needs a GPU or TPU"):
     dispatch.decode_impl('pallas', head_dim=8)
   with pytest.raises(ValueError, match='unknown'):
@@ -35,18 +35,20 @@ def test_cpu_dispatch():
 def test_accelerator_dispatch(monkeypatch, backend):
   monkeypatch.setattr(dispatch, '_backend', lambda: backend)
   kernel = pallas_kernels.linear_prefill.linear_prefill
-  assert dispatch.prefill_impl('auto', chunk_size=16, head_dim=64) is kernel
-  assert dispatch.prefill_impl('pallas', chunk_size=16, head_dim=64) is kernel
-  assert dispatch.prefill_impl('xla', chunk_size=16,
-                               head_dim=64) is orthros_prefill
+  assert dispatch.prefill_impl('auto', chunk_size=16) is kernel
+  assert dispatch.prefill_impl('pallas', chunk_size=16) is kernel
+  assert dispatch.prefill_impl('xla', chunk_size=16) is orthros_prefill
   assert (dispatch.decode_impl('auto', head_dim=64) is
           pallas_kernels.flash_decode.flash_decode)
   # Shapes a kernel cannot take: 'auto' falls back, 'pallas' raises.
   bad_chunk = 12 if backend == 'gpu' else 12 + 1
-  assert dispatch.prefill_impl('auto', chunk_size=bad_chunk,
-                               head_dim=64) is orthros_prefill
+  assert dispatch.prefill_impl('auto', chunk_size=bad_chunk) is orthros_prefill
   with pytest.raises(ValueError, match='chunk_size'):
-    dispatch.prefill_impl('pallas', chunk_size=bad_chunk, head_dim=64)
+    dispatch.prefill_impl('pallas', chunk_size=bad_chunk)
+  # A long query block (dense prefill) never goes to the decode kernel.
+  for impl in ('auto', 'pallas'):
+    assert dispatch.decode_impl(impl, head_dim=64,
+                                query_rows=4 * 2048) is decode_attention
   if backend == 'gpu':
     assert dispatch.decode_impl('auto', head_dim=96) is decode_attention
     with pytest.raises(ValueError, match='head_dim'):

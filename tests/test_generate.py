@@ -147,3 +147,18 @@ def test_generate_input_errors():
     oj.generate(config, {}, [], max_new_tokens=2)
   with pytest.raises(ValueError, match='1..'):
     oj.generate(config, {}, [[1, 2], []], max_new_tokens=2)
+
+
+def test_garbage_past_prompt_lengths_is_ignored():
+  """Ids past each prompt's length (even out of range) do not matter."""
+  config = make_config(window=4, chunk=4)
+  params = init_params(config)
+  arr = np.full((2, 11), 10**6, np.int32)
+  arr[0, :11], arr[1, :6] = PROMPTS[0], PROMPTS[1]
+  a = oj.generate(config, params, arr, lengths=[11, 6], max_new_tokens=4)
+  b = oj.generate(config, params, PROMPTS[:2], max_new_tokens=4)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  for layer_a, layer_b in zip(a.cache, b.cache):
+    np.testing.assert_array_equal(layer_a.S, layer_b.S)
+  with pytest.raises(ValueError, match='pad_id'):
+    oj.generate(config, params, PROMPTS, max_new_tokens=2, pad_id=VOCAB)

@@ -617,3 +617,78 @@ def test_decode_bad_arguments(case):
   q, k, v, kw = DECODE_BAD[case]
   with pytest.raises(ValueError):
     flash_decode(q, k, v, jnp.asarray([5], jnp.int32), interpret=True, **kw)
+
+
+# ----------------------------------------------------------------------------
+# 8. Shapes found in review: wide windows on the GPU schedule (look-back
+#    rounded to 2^k - 1 chunks), a cache length that is not a multiple of the
+#    split, and NaN garbage past the lengths.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('target', ['tpu', 'cuda'])
+@pytest.mark.parametrize('window,chunk,t', [(64, 16, 200), (17, 8, 77),
+                                            (40, 8, 50), (128, 64, 777)])
+def test_prefill_lowers_for_wide_windows(target, window, chunk, t):
+  args = (SDS((1, t, 4, 64), jnp.bfloat16), SDS((1, t, 2, 64), jnp.bfloat16),
+          SDS((1, t, 2, 64), jnp.bfloat16), SDS((1, t, 4, 32), jnp.float32),
+          SDS((1, t, 4, 32), jnp.float32), SDS((4,), jnp.float32))
+  fn = functools.partial(linear_prefill, window=window, chunk_size=chunk)
+  checks = ([] if target == 'tpu' else
+            [jax.export.DisabledSafetyCheck.custom_call(TRITON)])
+  text = jax.export.export(jax.jit(fn), platforms=[target],
+                           disabled_checks=checks)(*args).mlir_module()
+  assert (TPU_CALL if target == 'tpu' else TRITON) in text
+
+
+@pytest.mark.parametrize('target', ['tpu', 'cuda'])
+def test_decode_lowers_for_a_cache_not_a_multiple_of_the_split(target):
+  args = (SDS((2, 1, 8, 128), jnp.bfloat16), SDS((2, 57, 2, 128), jnp.bfloat16),
+          SDS((2, 57, 2, 128), jnp.bfloat16), SDS((2,), jnp.int32))
+  checks = ([] if target == 'tpu' else
+            [jax.export.DisabledSafetyCheck.custom_call(TRITON)])
+  text = jax.export.export(jax.jit(flash_decode), platforms=[target],
+                           disabled_checks=checks)(*args).mlir_module()
+  assert (TPU_CALL if target == 'tpu' else TRITON) in text
+
+
+@pytest.mark.parametrize('platform', (None,) + PLATFORMS)
+def test_prefill_ignores_nan_past_the_lengths(platform):
+  """Padding and invalid prefix entries may hold anything, NaN included:
+  valid outputs and the state must not change."""
+  rng = np.random.default_rng(5)
+  b, t, h, kh, d, f, w = 2, 21, 4, 2, 8, 6, 8
+  arr = lambda *s: rng.normal(size=s).astype(np.float32)
+  q, k, v = arr(b, t, h, d), arr(b, t, kh, d), arr(b, t, kh, d)
+  pq = rng.uniform(0.1, 1, size=(b, t, h, f)).astype(np.float32)
+  pk = rng.uniform(0.1, 1, size=(b, t, h, f)).astype(np.float32)
+  gamma = jnp.asarray(rng.uniform(0.1, 0.9, size=h), jnp.float32)
+  lengths = np.array([21, 9])
+  prefix_k, prefix_v = arr(b, w, kh, d), arr(b, w, kh, d)
+  prefix_phi = rng.uniform(0.1, 1, size=(b, w, h, f)).astype(np.float32)
+  valid = np.arange(w)[None, :] >= np.array([0, 5])[:, None]
+  state = LinearState(jnp.asarray(rng.uniform(size=(b, h, f, d)), jnp.float32),
+                      jnp.asarray(rng.uniform(size=(b, h, f)), jnp.float32))
+
+  def call(k, v, pk, prefix_k, prefix_v, prefix_phi):
+    fn = attention.orthros_prefill if platform is None else functools.partial(
+        linear_prefill, interpret=True, platform=platform)
+    return fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pq),
+              jnp.asarray(pk), gamma, window=w, chunk_size=8,
+              lengths=jnp.asarray(lengths), initial_state=state,
+              prefix=WindowPrefix(jnp.asarray(prefix_k), jnp.asarray(prefix_v),
+                                  jnp.asarray(prefix_phi),
+                                  jnp.asarray(valid)))
+
+  clean = call(k, v, pk, prefix_k, prefix_v, prefix_phi)
+  dirty = [x.copy() for x in (k, v, pk, prefix_k, prefix_v, prefix_phi)]
+  for x in dirty[:3]:
+    x[1, 9:] = np.nan
+  for x in dirty[3:]:
+    x[~valid] = np.nan
+  got = call(*dirty)
+  mask = np.arange(t)[None, :] < lengths[:, None]
+  np.testing.assert_array_equal(np.asarray(got[0])[mask],
+                                np.asarray(clean[0])[mask])
+  np.testing.assert_array_equal(got[1].S, clean[1].S)
+  np.testing.assert_array_equal(got[1].z, clean[1].z)

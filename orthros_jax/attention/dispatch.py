@@ -71,7 +71,7 @@ def _choose(impl: str, what: str, problem: str | None) -> str:
   return 'pallas'
 
 
-def prefill_impl(impl: str, *, chunk_size: int, head_dim: int) -> Callable:
+def prefill_impl(impl: str, *, chunk_size: int) -> Callable:
   """`orthros_prefill` or the Pallas `linear_prefill` (same signature)."""
   backend = _backend()
   problem = None
@@ -85,8 +85,23 @@ def prefill_impl(impl: str, *, chunk_size: int, head_dim: int) -> Callable:
   return linear_prefill
 
 
-def decode_impl(impl: str, *, head_dim: int) -> Callable:
-  """`decode_attention` or the Pallas `flash_decode` (same signature)."""
+# flash_decode keeps all query rows of a kv head (G * Tq) in one program:
+# meant for decoding a few tokens, not for a whole prompt.
+MAX_DECODE_ROWS = 128
+
+
+def decode_impl(impl: str, *, head_dim: int, query_rows: int = 1) -> Callable:
+  """`decode_attention` or the Pallas `flash_decode` (same signature).
+
+  query_rows: G * Tq, the query rows per kv head of the call. Long query
+  blocks (above MAX_DECODE_ROWS: a dense prefill, a long exact tail) always
+  use the XLA blocked path, whatever the impl.
+  """
+  if query_rows > MAX_DECODE_ROWS:
+    if impl not in IMPLS:
+      raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
+                       f'{IMPLS}')
+    return decode_attention
   problem = None
   if _backend() == 'gpu' and not _is_pow2(head_dim):
     problem = f'head_dim={head_dim} is not a power of two (Triton)'

@@ -131,6 +131,11 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
     valid = jnp.concatenate([prefix.valid.astype(bool), valid], axis=1)
 
   n = p + t
+  # Keys that do not exist (invalid prefix entries, padding past the length)
+  # get weight 0; zero them too, as 0 * NaN garbage would still be NaN.
+  exists = valid & (jnp.arange(n)[None, :] < (p + lengths)[:, None])
+  zero = lambda x: jnp.where(exists[:, :, None, None], x, 0.0)
+  k, v, phi_k = zero(k), zero(v), zero(phi_k)
   # Tokens that end up older than the window of the last valid token.
   fold = valid & (jnp.arange(n)[None, :] < (p + lengths - window)[:, None])
 
