@@ -1,0 +1,110 @@
+"""The optimizer: AdamW on a linear-warmup + cosine schedule, global-norm
+clipping, optional gradient accumulation and frozen parameters.
+
+    MultiSteps(k)                     # only when grad_accum_steps > 1
+      multi_transform
+        'train':  clip_by_global_norm -> adamw(warmup_cosine)
+        'freeze': set_to_zero          # exactly zero updates, no weight decay
+
+The clip norm is taken over the trainable gradients only, and the schedule
+counts optimizer updates (one per `grad_accum_steps` micro-batches), so
+`total_steps` is the number of updates, not of batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import jax
+import optax
+
+# What `trainable_mask` may be: None (train everything); a pytree of bools
+# shaped like the params; a predicate on the '/'-joined param path; or a
+# sequence of substrings, a param trains when its path contains any of them
+# (e.g. ('phi_q', 'phi_k', 'window_logit') or ('lora',)).
+TrainableMask = Union[None, Any, Callable[[str], bool], Sequence[str]]
+
+
+def _check(ok: bool, field: str, value, expected: str) -> None:
+  if not ok:
+    raise ValueError(f'{field}={value!r} is invalid: expected {expected}.')
+
+
+def path_str(path) -> str:
+  """'layers_0/attn/phi_q/kernel' for a jax key path."""
+  parts = []
+  for k in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return '/'.join(parts)
+
+
+def trainable_labels(params, trainable_mask: TrainableMask):
+  """A pytree like `params` of 'train' / 'freeze' labels."""
+  if trainable_mask is None:
+    return jax.tree.map(lambda _: 'train', params)
+  if isinstance(trainable_mask, (list, tuple)) and all(
+      isinstance(s, str) for s in trainable_mask):
+    subs = tuple(trainable_mask)
+    predicate = lambda p: any(s in p for s in subs)
+  elif callable(trainable_mask):
+    predicate = trainable_mask
+  else:  # a pytree of bools
+    return jax.tree.map(lambda _, m: 'train' if m else 'freeze', params,
+                        trainable_mask)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, _: 'train' if predicate(path_str(p)) else 'freeze', params)
+
+
+def make_schedule(lr: float, warmup_steps: int,
+                  total_steps: int) -> optax.Schedule:
+  """Linear warmup 0 -> lr over `warmup_steps`, cosine to 0 at `total_steps`."""
+  _check(lr > 0, 'learning_rate', lr, 'a number > 0')
+  _check(isinstance(warmup_steps, int) and warmup_steps >= 0, 'warmup_steps',
+         warmup_steps, 'an integer >= 0')
+  _check(isinstance(total_steps, int) and total_steps > warmup_steps,
+         'total_steps', total_steps, f'an integer > warmup_steps={warmup_steps}')
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=lr, warmup_steps=warmup_steps,
+      decay_steps=total_steps, end_value=0.0)
+
+
+def make_optimizer(lr: float, warmup_steps: int, total_steps: int,
+                   weight_decay: float = 0.0, b1: float = 0.9,
+                   b2: float = 0.95, clip_norm: float | None = 1.0,
+                   grad_accum_steps: int = 1,
+                   trainable_mask: TrainableMask = None
+                   ) -> optax.GradientTransformation:
+  """AdamW + warmup-cosine + clipping (+ accumulation, + frozen params).
+
+  clip_norm: None or 0 disables clipping. trainable_mask: see TrainableMask;
+  frozen params get exactly zero updates (and no weight decay).
+  """
+  schedule = make_schedule(lr, warmup_steps, total_steps)
+  _check(weight_decay >= 0, 'weight_decay', weight_decay, 'a number >= 0')
+  _check(0 <= b1 < 1, 'b1', b1, 'a number in [0, 1)')
+  _check(0 <= b2 < 1, 'b2', b2, 'a number in [0, 1)')
+  _check(clip_norm is None or clip_norm >= 0, 'clip_norm', clip_norm,
+         'None, 0 (no clipping) or a number > 0')
+  _check(isinstance(grad_accum_steps, int) and grad_accum_steps >= 1,
+         'grad_accum_steps', grad_accum_steps, 'an integer >= 1')
+  _check(trainable_mask is None or callable(trainable_mask) or
+         not isinstance(trainable_mask, str), 'trainable_mask',
+         trainable_mask, 'None, a predicate, a bool pytree or a sequence of '
+         "substrings such as ('lora',)")
+
+  parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
+  parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+  tx = optax.chain(*parts)
+  if trainable_mask is not None:
+    tx = optax.multi_transform(
+        {'train': tx, 'freeze': optax.set_to_zero()},
+        lambda params: trainable_labels(params, trainable_mask))
+  if grad_accum_steps > 1:
+    tx = optax.MultiSteps(tx, every_k_schedule=grad_accum_steps)
+  return tx

@@ -1,0 +1,118 @@
+"""The jitted train and eval steps, shared by train.py and convert.py.
+
+A batch is a dict of arrays: 'inputs' [B, T] int32, 'targets' [B, T] int32,
+'weights' [B, T] float32, 'prompt_lengths' [B] int32 (0 for plain text).
+
+For an Orthros model the forward pass takes a per-example `split` P (positions
+t < P prefill formula, t >= P exact softmax), chosen by `split_mode`:
+  'prompt': P = max(prompt_lengths - exact_tail, 0), the boundary `generate`
+            uses at inference (plain text, prompt 0, trains exact attention);
+  'random': P uniform in [0, T] per example, drawn from the step's rng;
+  'none':   no split, prefill formula everywhere.
+Dense models ignore `split_mode`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from orthros_jax.config import ModelConfig
+from orthros_jax.model import Transformer
+from orthros_jax.training import loss as loss_lib
+from orthros_jax.training.state import TrainState
+
+SPLIT_MODES = ('prompt', 'random', 'none')
+LossFn = Callable[[jax.Array, dict], tuple[jax.Array, dict]]
+
+
+def _check_split_mode(split_mode: str) -> None:
+  if split_mode not in SPLIT_MODES:
+    raise ValueError(f'split_mode={split_mode!r} is invalid: expected one of '
+                     f'{SPLIT_MODES}.')
+
+
+def make_split(config: ModelConfig, split_mode: str, batch, rng):
+  """The per-example split [B] int32 (or None) for `batch`."""
+  _check_split_mode(split_mode)
+  if not config.is_orthros or split_mode == 'none':
+    return None
+  b, t = batch['inputs'].shape
+  if split_mode == 'prompt':
+    p = jnp.asarray(batch['prompt_lengths'], jnp.int32)
+    return jnp.maximum(p - config.attention.exact_tail, 0)
+  return jax.random.randint(rng, (b,), 0, t + 1, jnp.int32)
+
+
+def _forward_loss(config, split_mode, loss_fn, params, batch, rng):
+  split = make_split(config, split_mode, batch, rng)
+  logits, _ = Transformer(config).apply(
+      {'params': params}, batch['inputs'], phase='forward', split=split)
+  return loss_fn(logits, batch)
+
+
+def make_train_step(config: ModelConfig, *, split_mode: str = 'prompt',
+                    loss_fn: LossFn | None = None, donate: bool = True
+                    ) -> Callable[[TrainState, dict, jax.Array],
+                                  tuple[TrainState, dict]]:
+  """A jitted `(state, batch, rng) -> (state, metrics)`; the state is donated.
+
+  metrics: those of `loss_fn` ('loss', 'tokens', 'accuracy' by default) plus
+  'grad_norm' and 'finite' (bool). When the loss or gradient norm is not
+  finite the returned state is the input state (no update, step unchanged):
+  the loop reports the error and keeps the last good checkpoint.
+  """
+  _check_split_mode(split_mode)
+  loss_fn = loss_fn or loss_lib.next_token_loss
+
+  def step(state: TrainState, batch, rng):
+    grad_fn = jax.value_and_grad(
+        lambda p: _forward_loss(config, split_mode, loss_fn, p, batch, rng),
+        has_aux=True)
+    (loss, metrics), grads = grad_fn(state.params)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = state.apply_gradients(grads)
+    # Select, not cond: both branches are cheap and donation stays simple.
+    new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state,
+                             state)
+    return new_state, dict(metrics, grad_norm=grad_norm, finite=finite)
+
+  return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def make_eval_step(config: ModelConfig, *, split_mode: str = 'prompt',
+                   loss_fn: LossFn | None = None
+                   ) -> Callable[[Any, dict, jax.Array], dict]:
+  """A jitted `(params, batch, rng) -> metrics` with no update."""
+  _check_split_mode(split_mode)
+  loss_fn = loss_fn or loss_lib.next_token_loss
+
+  def step(params, batch, rng):
+    _, metrics = _forward_loss(config, split_mode, loss_fn, params, batch, rng)
+    return metrics
+
+  return jax.jit(step)
+
+
+def evaluate(eval_step, params, batches: Iterable[dict],
+             rng: jax.Array | None = None) -> dict[str, float]:
+  """Token-weighted means of the eval metrics over `batches` (an exact
+  corpus-level loss and accuracy, not a mean of per-batch means)."""
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  sums: dict[str, float] = {}
+  total = 0.0
+  for i, batch in enumerate(batches):
+    m = jax.device_get(eval_step(params, batch, jax.random.fold_in(rng, i)))
+    n = float(m.get('tokens', 1.0))
+    total += n
+    for k, v in m.items():
+      if k != 'tokens':
+        sums[k] = sums.get(k, 0.0) + float(v) * n
+  if total == 0:
+    raise ValueError('evaluate got no batches (or only zero-weight ones)')
+  return dict({k: v / total for k, v in sums.items()}, tokens=total)
