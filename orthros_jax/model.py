@@ -21,6 +21,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from orthros_jax import attention as attn_lib
 from orthros_jax import cache as cache_lib
@@ -316,25 +317,26 @@ def _check_call(cfg, tokens, phase, cache, lengths, split):
     if t > c0.max_len:
       raise ValueError(f'{t} tokens do not fit a cache of max_len='
                        f'{c0.max_len}')
-    if _is_concrete(c0.lengths):
-      need = c0.lengths + (t if lengths is None or phase == 'decode'
-                           else jnp.asarray(lengths))
-      if int(jnp.max(need)) > c0.max_len:
+    if _is_concrete(c0.lengths) and (lengths is None or
+                                     _is_concrete(lengths)):
+      need = np.asarray(c0.lengths) + (
+          t if lengths is None or phase == 'decode' else np.asarray(lengths))
+      if int(need.max()) > c0.max_len:
         raise ValueError(
-            f'cache overflow: cached + new tokens reach {int(jnp.max(need))} '
+            f'cache overflow: cached + new tokens reach {int(need.max())} '
             f'> max_len={c0.max_len}; allocate a larger cache')
   if split is not None and phase != 'forward':
     raise ValueError("split is only used by phase='forward'")
   if lengths is not None and phase != 'prefill':
     raise ValueError("lengths is only used by phase='prefill'")
   if _is_concrete(lengths):
-    lengths_arr = jnp.asarray(lengths)
-    if lengths_arr.shape != (b,) or bool(jnp.any(lengths_arr < 0)) or bool(
-        jnp.any(lengths_arr > t)):
+    lengths_arr = np.asarray(lengths)
+    if lengths_arr.shape != (b,) or np.any(lengths_arr < 0) or np.any(
+        lengths_arr > t):
       raise ValueError(f'lengths must be [B]={b} values in [0, {t}]; got '
                        f'{lengths_arr}')
   if _is_concrete(tokens):
-    lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+    lo, hi = int(np.min(np.asarray(tokens))), int(np.max(np.asarray(tokens)))
     if lo < 0 or hi >= cfg.vocab_size:
       raise ValueError(f'token ids must lie in [0, vocab_size={cfg.vocab_size})'
                        f'; got min {lo}, max {hi}')

@@ -1,0 +1,32 @@
+"""A Llama-3.2-1B-shaped model for accelerators (about 1.2B parameters).
+
+  python train.py --config=configs/llama_1b.py \
+      --config.data.tokenizer=/path/to/tokenizer.json \
+      --config.data.paths=/data/text/ --workdir=gs://bucket/run1
+
+Set model.vocab_size to the tokenizer's vocabulary (128256 for Llama 3) and
+`--config.model.attention.kind=orthros` for an Orthros model trained with the
+phase-aware objective from scratch. Sharding over meshes comes with the
+sharding work; as written this runs data-local on one host.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str = '') -> ml_collections.ConfigDict:
+  del arg
+  c = ml_collections.ConfigDict()
+  c.model = dict(
+      vocab_size=128256, num_layers=16, embed_dim=2048, num_heads=32,
+      num_kv_heads=8, head_dim=64, mlp_dim=8192, rope_theta=500000.0,
+      tie_embeddings=True, dtype='bfloat16', param_dtype='float32',
+      attention=dict(kind='dense', feature_map='hedgehog', feature_dim=64,
+                     window=64, chunk_size=64, exact_tail=1))
+  c.data = dict(source='text', seq_len=4096, batch_size=256, seed=0,
+                tokenizer='tokenizer.json', paths='data/')
+  c.eval_data = None
+  c.eval_batches = 16
+  c.train = dict(num_steps=100_000, learning_rate=3e-4, warmup_steps=2000,
+                 weight_decay=0.1, split_mode='random', log_every=100,
+                 eval_every=0, checkpoint_every=1000, keep_checkpoints=3)
+  return c

@@ -1,0 +1,106 @@
+"""`train_and_evaluate(config, workdir)`: train a dense or Orthros model from
+scratch on a grain pipeline; what train.py runs.
+
+The config (an ml_collections.ConfigDict, see configs/) has four parts:
+  model:     ModelConfig fields; model.attention holds AttentionConfig fields.
+  data:      make_dataset arguments for training (source, seq_len,
+             batch_size, seed, tasks, paths, tokenizer, ...).
+  eval_data: the same for a held-out set (a different seed, a fixed
+             num_examples), or None; eval_batches: how many batches to score.
+  train:     TrainConfig fields (steps, learning rate, split mode, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from orthros_jax.config import AttentionConfig
+from orthros_jax.config import ModelConfig
+from orthros_jax.config import RopeScaling
+from orthros_jax.data import get_tokenizer
+from orthros_jax.data import make_dataset
+from orthros_jax.model import Transformer
+from orthros_jax.training import loop
+from orthros_jax.training import step as step_lib
+
+
+def _plain(x: Any) -> Any:
+  """ConfigDicts (and FrozenConfigDicts) to plain dicts, recursively."""
+  if hasattr(x, 'to_dict'):
+    x = x.to_dict()
+  if isinstance(x, Mapping):
+    return {k: _plain(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_plain(v) for v in x]
+  return x
+
+
+def model_config_from(cfg: Mapping[str, Any]) -> ModelConfig:
+  """ModelConfig from a mapping with a nested 'attention' (and optional
+  'rope_scaling') mapping; unknown keys raise a ValueError naming them."""
+  cfg = dict(_plain(cfg))
+  attention = dict(cfg.pop('attention', {}) or {})
+  rope = cfg.pop('rope_scaling', None)
+  for name, fields, given in (
+      ('model', ModelConfig.__dataclass_fields__, cfg),
+      ('model.attention', AttentionConfig.__dataclass_fields__, attention)):
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+      raise ValueError(f'{name} has unknown keys {unknown}; valid keys: '
+                       f'{sorted(fields)}')
+  return ModelConfig(**cfg, attention=AttentionConfig(**attention),
+                     rope_scaling=RopeScaling(**rope) if rope else None)
+
+
+def make_data(data_cfg: Mapping[str, Any], vocab_size: int):
+  """A checkpointable grain iterator; checks the tokenizer fits the model."""
+  data_cfg = dict(_plain(data_cfg))
+  tokenizer = get_tokenizer(data_cfg.pop('tokenizer', 'byte'))
+  if tokenizer.vocab_size > vocab_size:
+    raise ValueError(f'the tokenizer has {tokenizer.vocab_size} ids but '
+                     f'model.vocab_size={vocab_size}; set model.vocab_size >= '
+                     f'{tokenizer.vocab_size}')
+  return iter(make_dataset(tokenizer=tokenizer, **data_cfg))
+
+
+def train_and_evaluate(config, workdir: str | os.PathLike):
+  """Trains `config.model` on `config.data` in `workdir` (resuming if it
+  holds a checkpoint); returns (final TrainState, history)."""
+  workdir = os.fspath(workdir)
+  model_config = model_config_from(config.model)
+  train_cfg = loop.TrainConfig.from_mapping(_plain(config.train))
+  data = make_data(config.data, model_config.vocab_size)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    json.dump(_plain(config), f, indent=1, default=str)
+
+  seq_len = int(config.data.seq_len)
+
+  def params_init():
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    init = jax.jit(lambda rng: Transformer(model_config).init(
+        rng, tokens, phase='forward')['params'])
+    return init(jax.random.PRNGKey(train_cfg.seed))
+
+  eval_fn = None
+  eval_data = config.get('eval_data')
+  if eval_data:
+    eval_step = step_lib.make_eval_step(model_config,
+                                        split_mode=train_cfg.split_mode)
+    num_batches = int(config.get('eval_batches', 8))
+
+    def eval_fn(state, step):
+      del step
+      batches = itertools.islice(make_data(eval_data,
+                                           model_config.vocab_size),
+                                 num_batches)
+      return step_lib.evaluate(eval_step, state.params, batches)
+
+  return loop.train(train_cfg, workdir, model_config, params_init, data,
+                    eval_fn=eval_fn)

@@ -1,0 +1,30 @@
+"""Train a dense or Orthros model from scratch.
+
+  python train.py --config=configs/tiny.py --workdir=/tmp/tiny
+  python train.py --config=configs/tiny.py --config.train.num_steps=50 \
+      --config.model.attention.kind=orthros --workdir=/tmp/tiny_orthros
+
+A workdir that already holds a checkpoint is resumed. Metrics go to
+WORKDIR/metrics.jsonl and WORKDIR/tensorboard.
+"""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from orthros_jax.training.train_lm import train_and_evaluate
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Output and checkpoint dir.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == '__main__':
+  app.run(main)
