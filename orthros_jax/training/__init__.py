@@ -15,11 +15,12 @@ from orthros_jax.training.optim import make_schedule
 from orthros_jax.training.state import TrainState
 from orthros_jax.training.step import evaluate
 from orthros_jax.training.step import make_eval_step
+from orthros_jax.training.step import make_objective_step
 from orthros_jax.training.step import make_train_step
 
 __all__ = [
     'CheckpointManager', 'MetricsWriter', 'ProgressBar', 'TrainConfig',
     'TrainState', 'cross_entropy', 'evaluate', 'make_eval_step',
-    'make_optimizer', 'make_schedule', 'make_train_step', 'next_token_loss',
+    'make_objective_step', 'make_optimizer', 'make_schedule', 'make_train_step', 'next_token_loss',
     'read_metrics', 'restore_or_init', 'train',
 ]

@@ -43,6 +43,9 @@ def init_fn(params_init: Callable[[], Any] | Any,
   zero-argument function returning one (called only when no checkpoint
   exists, so a resumed run never pays for initialization)."""
   def init() -> TrainState:
-    params = params_init() if callable(params_init) else params_init
+    if callable(params_init):
+      params = params_init()
+    else:  # the train step donates the state: never hand it the caller's
+      params = jax.tree.map(jnp.copy, params_init)  # arrays
     return TrainState.create(params, tx)
   return init

@@ -55,6 +55,9 @@ def _forward_loss(config, split_mode, loss_fn, params, batch, rng):
   return loss_fn(logits, batch)
 
 
+Objective = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
+
+
 def make_train_step(config: ModelConfig, *, split_mode: str = 'prompt',
                     loss_fn: LossFn | None = None, donate: bool = True
                     ) -> Callable[[TrainState, dict, jax.Array],
@@ -68,11 +71,21 @@ def make_train_step(config: ModelConfig, *, split_mode: str = 'prompt',
   """
   _check_split_mode(split_mode)
   loss_fn = loss_fn or loss_lib.next_token_loss
+  return make_objective_step(
+      lambda p, batch, rng: _forward_loss(config, split_mode, loss_fn, p,
+                                          batch, rng), donate=donate)
+
+
+def make_objective_step(objective: Objective, *, donate: bool = True
+                        ) -> Callable[[TrainState, dict, jax.Array],
+                                      tuple[TrainState, dict]]:
+  """The train step for any `objective(params, batch, rng) -> (loss,
+  metrics)` (a conversion stage's loss, say), with the same NaN guard and
+  donation as `make_train_step`."""
 
   def step(state: TrainState, batch, rng):
-    grad_fn = jax.value_and_grad(
-        lambda p: _forward_loss(config, split_mode, loss_fn, p, batch, rng),
-        has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p: objective(p, batch, rng),
+                                 has_aux=True)
     (loss, metrics), grads = grad_fn(state.params)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -80,7 +93,8 @@ def make_train_step(config: ModelConfig, *, split_mode: str = 'prompt',
     # Select, not cond: both branches are cheap and donation stays simple.
     new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state,
                              state)
-    return new_state, dict(metrics, grad_norm=grad_norm, finite=finite)
+    return new_state, dict(metrics, loss=loss, grad_norm=grad_norm,
+                           finite=finite)
 
   return jax.jit(step, donate_argnums=(0,) if donate else ())
 
