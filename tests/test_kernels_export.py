@@ -1,0 +1,100 @@
+"""Both kernels lower for TPU (Mosaic) and CUDA (Triton) on this CPU
+machine via `jax.export` with platform=None (the schedule is chosen at
+lowering time); only Triton's custom-call serialization check is disabled."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from orthros_jax.attention import LinearState
+from orthros_jax.attention import WindowPrefix
+from pallas_kernels.flash_decode import flash_decode
+from pallas_kernels.linear_prefill import linear_prefill
+
+TRITON = '__gpu$xla.gpu.triton'
+TPU_CALL = 'tpu_custom_call'
+SDS = jax.ShapeDtypeStruct
+
+
+def _prefill_lowering_args(dtype, continued):
+  b, t, h, kh, d, f, p = 1, 256, 4, 2, 64, 64, 64
+  args = (SDS((b, t, h, d), dtype), SDS((b, t, kh, d), dtype),
+          SDS((b, t, kh, d), dtype), SDS((b, t, h, f), jnp.float32),
+          SDS((b, t, h, f), jnp.float32), SDS((h,), jnp.float32))
+  fn = functools.partial(linear_prefill, window=64, chunk_size=64)
+  if not continued:
+    return fn, args
+
+  def continued_fn(q, k, v, phi_q, phi_k, gamma, lengths, s0, z0, pk, pv,
+                   pphi, valid):
+    return fn(q, k, v, phi_q, phi_k, gamma, lengths=lengths,
+              initial_state=LinearState(s0, z0),
+              prefix=WindowPrefix(pk, pv, pphi, valid))
+
+  extra = (SDS((b,), jnp.int32), SDS((b, h, f, d), jnp.float32),
+           SDS((b, h, f), jnp.float32), SDS((b, p, kh, d), dtype),
+           SDS((b, p, kh, d), dtype), SDS((b, p, h, f), jnp.float32),
+           SDS((b, p), jnp.bool_))
+  return continued_fn, args + extra
+
+
+def _decode_lowering_args(dtype):
+  b, tq, h, kh, d, s = 2, 1, 8, 2, 128, 4096
+  return flash_decode, (SDS((b, tq, h, d), dtype), SDS((b, s, kh, d), dtype),
+                        SDS((b, s, kh, d), dtype), SDS((b,), jnp.int32))
+
+
+@pytest.mark.parametrize('target', ['tpu', 'cuda'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16],
+                         ids=['f32', 'bf16'])
+@pytest.mark.parametrize('kernel', ['prefill', 'prefill_continued', 'decode'])
+def test_lowers_for_tpu_and_cuda(kernel, dtype, target):
+  if kernel == 'decode':
+    fn, args = _decode_lowering_args(dtype)
+  else:
+    fn, args = _prefill_lowering_args(dtype, kernel == 'prefill_continued')
+  checks = ([] if target == 'tpu' else
+            [jax.export.DisabledSafetyCheck.custom_call(TRITON)])
+  exported = jax.export.export(jax.jit(fn), platforms=[target],
+                               disabled_checks=checks)(*args)
+  text = exported.mlir_module()
+  want, other = (TPU_CALL, TRITON) if target == 'tpu' else (TRITON, TPU_CALL)
+  assert want in text
+  assert other not in text  # the other schedule was pruned at lowering
+  assert exported.platforms == (target,)
+
+
+
+# Shapes found in review: wide windows on the GPU schedule (look-back
+# rounded to 2^k - 1 chunks) and a cache length that is not a multiple of
+# the split.
+
+
+@pytest.mark.parametrize('target', ['tpu', 'cuda'])
+@pytest.mark.parametrize('window,chunk,t', [(64, 16, 200), (17, 8, 77),
+                                            (40, 8, 50), (128, 64, 777)])
+def test_prefill_lowers_for_wide_windows(target, window, chunk, t):
+  args = (SDS((1, t, 4, 64), jnp.bfloat16), SDS((1, t, 2, 64), jnp.bfloat16),
+          SDS((1, t, 2, 64), jnp.bfloat16), SDS((1, t, 4, 32), jnp.float32),
+          SDS((1, t, 4, 32), jnp.float32), SDS((4,), jnp.float32))
+  fn = functools.partial(linear_prefill, window=window, chunk_size=chunk)
+  checks = ([] if target == 'tpu' else
+            [jax.export.DisabledSafetyCheck.custom_call(TRITON)])
+  text = jax.export.export(jax.jit(fn), platforms=[target],
+                           disabled_checks=checks)(*args).mlir_module()
+  assert (TPU_CALL if target == 'tpu' else TRITON) in text
+
+
+@pytest.mark.parametrize('target', ['tpu', 'cuda'])
+def test_decode_lowers_for_a_cache_not_a_multiple_of_the_split(target):
+  args = (SDS((2, 1, 8, 128), jnp.bfloat16), SDS((2, 57, 2, 128), jnp.bfloat16),
+          SDS((2, 57, 2, 128), jnp.bfloat16), SDS((2,), jnp.int32))
+  checks = ([] if target == 'tpu' else
+            [jax.export.DisabledSafetyCheck.custom_call(TRITON)])
+  text = jax.export.export(jax.jit(flash_decode), platforms=[target],
+                           disabled_checks=checks)(*args).mlir_module()
+  assert (TPU_CALL if target == 'tpu' else TRITON) in text
