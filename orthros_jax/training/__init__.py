@@ -2,7 +2,9 @@
 train state, jitted steps, checkpoints, metrics and the loop."""
 
 from orthros_jax.training.checkpoint import CheckpointManager
+from orthros_jax.training.checkpoint import load_params
 from orthros_jax.training.checkpoint import restore_or_init
+from orthros_jax.training.checkpoint import save_params
 from orthros_jax.training.loop import TrainConfig
 from orthros_jax.training.loop import train
 from orthros_jax.training.loss import cross_entropy
@@ -20,7 +22,8 @@ from orthros_jax.training.step import make_train_step
 
 __all__ = [
     'CheckpointManager', 'MetricsWriter', 'ProgressBar', 'TrainConfig',
-    'TrainState', 'cross_entropy', 'evaluate', 'make_eval_step',
-    'make_objective_step', 'make_optimizer', 'make_schedule', 'make_train_step', 'next_token_loss',
-    'read_metrics', 'restore_or_init', 'train',
+    'TrainState', 'cross_entropy', 'evaluate', 'load_params',
+    'make_eval_step', 'make_objective_step', 'make_optimizer',
+    'make_schedule', 'make_train_step', 'next_token_loss', 'read_metrics',
+    'restore_or_init', 'save_params', 'train',
 ]

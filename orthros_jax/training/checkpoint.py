@@ -20,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
 import orbax.checkpoint as ocp
 
 from orthros_jax.config import ModelConfig
@@ -204,3 +206,68 @@ def restore_or_init(manager: CheckpointManager,
     return init_fn(), None
   abstract = jax.eval_shape(init_fn)
   return manager.restore(abstract, step, data_iterator), step
+
+
+def _checkpoints_dir(path: str | os.PathLike) -> str:
+  """`path` itself when it holds step directories, else path/checkpoints."""
+  path = os.path.abspath(os.fspath(path))
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'checkpoint path {path} does not exist')
+  sub = os.path.join(path, 'checkpoints')
+  return sub if os.path.isdir(sub) else path
+
+
+def load_params(path: str | os.PathLike, step: int | None = None
+                ) -> tuple[Any, dict, int]:
+  """(params, model config dict, step) from a checkpoint of train.py or
+  convert.py, without knowing the optimizer that wrote it.
+
+  path: a run's workdir (holding checkpoints/) or its checkpoints directory;
+  step: the latest when None. The model config is the JSON saved beside the
+  state (build a ModelConfig with train_lm.model_config_from).
+  Raises FileNotFoundError when there is no such checkpoint and ValueError
+  when the checkpoint holds no params or no model config.
+  """
+  directory = _checkpoints_dir(path)
+  manager = ocp.CheckpointManager(directory, item_handlers={
+      'state': ocp.StandardCheckpointHandler(),
+      'config': ocp.JsonCheckpointHandler()})
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise FileNotFoundError(
+          f'no checkpoint in {directory}: expected step directories written '
+          'by train.py or convert.py')
+    step = steps[-1] if step is None else int(step)
+    if step not in steps:
+      raise FileNotFoundError(f'no checkpoint for step {step} in {directory} '
+                              f'(available: {steps})')
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(), config=ocp.args.JsonRestore()))
+  finally:
+    manager.close()
+  state, config = restored['state'], restored['config']
+  if not isinstance(state, dict) or 'params' not in state:
+    raise ValueError(f'checkpoint {directory}/{step} holds no params')
+  if not config:
+    raise ValueError(f'checkpoint {directory}/{step} has no model config; it '
+                     'was not written by train.py or convert.py')
+  return state['params'], config, step
+
+
+def save_params(path: str | os.PathLike, params, model_config: ModelConfig,
+                step: int = 0) -> str:
+  """Writes `params` (no optimizer state) as a checkpoint `load_params`,
+  eval.py and convert.py read: path/checkpoints/<step>. Returns the
+  checkpoints directory."""
+  directory = os.path.join(os.path.abspath(os.fspath(path)), 'checkpoints')
+  manager = CheckpointManager(directory, max_to_keep=None,
+                              model_config=model_config, async_save=False)
+  try:
+    state = TrainState.create(params, optax.identity()).replace(
+        step=jnp.asarray(step, jnp.int32))
+    manager.save(step, state, force=True)
+    manager.wait()
+  finally:
+    manager.close()
+  return directory

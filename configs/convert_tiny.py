@@ -1,0 +1,59 @@
+"""Convert the tiny dense teacher of configs/tiny.py into an Orthros model.
+
+  python train.py --config=configs/tiny.py --workdir=/tmp/tiny
+  python convert.py --config=configs/convert_tiny.py \
+      --config.teacher.checkpoint=/tmp/tiny --workdir=/tmp/tiny_orthros
+
+`arg` 'smoke' shrinks everything to a few steps (tests, quick checks).
+Token budgets (stage*.tokens) are rounded down to whole batches of
+data.batch_size x data.seq_len tokens.
+"""
+
+import ml_collections
+
+TASKS = {'passkey': 1.0, 'mqar': 1.0, 'filler': 0.5}
+
+
+def get_config(arg: str = '') -> ml_collections.ConfigDict:
+  smoke = arg == 'smoke'
+  c = ml_collections.ConfigDict()
+  # The dense model to convert: a train.py workdir (checkpoint) or a local
+  # Hugging Face directory (hf_dir). step < 0: the latest checkpoint.
+  # train_tokens: the teacher's training tokens for the report (0: read
+  # from the train.py workdir's config.json).
+  c.teacher = dict(checkpoint='', hf_dir='', step=-1, train_tokens=0)
+  # Orthros attention of the converted model (AttentionConfig fields).
+  c.attention = dict(kind='orthros', feature_map='hedgehog', feature_dim=16,
+                     window=32 if not smoke else 8, chunk_size=32 if not smoke
+                     else 8, exact_tail=1, window_init=0.1)
+  seq_len = 96 if smoke else 384
+  batch = 4 if smoke else 16
+  tasks = {'mqar': 1.0} if smoke else TASKS
+  # Conversion data: the teacher's distribution, a seed it never saw
+  # (stage 2 uses seed + 1).
+  c.data = dict(source='synthetic', seq_len=seq_len, batch_size=batch,
+                seed=2, tasks=tasks, tokenizer='byte')
+  # Stage 1: attention transfer; only phi_q, phi_k, window_logit train.
+  c.stage1 = dict(tokens=(4 if smoke else 40) * batch * seq_len,
+                  learning_rate=1e-2, warmup_steps=1 if smoke else 4,
+                  weight_decay=0.0, log_every=1 if smoke else 5,
+                  checkpoint_every=2 if smoke else 20, progress=not smoke)
+  # Stage 2: next-token loss on the answers with a per-example prefill/
+  # decode split ('random': uniform in [0, T]; 'prompt': the inference
+  # boundary), through LoRA on q/k/v/o (lora_rank 0: full finetune), plus
+  # kl_weight x KL to the teacher.
+  c.stage2 = dict(tokens=(4 if smoke else 60) * batch * seq_len,
+                  learning_rate=1e-3, warmup_steps=1 if smoke else 5,
+                  weight_decay=0.0, split_mode='random', lora_rank=8,
+                  lora_alpha=16.0, kl_weight=0.0,
+                  log_every=1 if smoke else 5,
+                  checkpoint_every=2 if smoke else 20, progress=not smoke)
+  # Held-out evaluation through the inference path; sets: name -> dataset
+  # overrides (a {'source': 'text', 'paths': ...} set scores local text).
+  c.eval = dict(seq_len=seq_len, batch_size=batch, seed=1,
+                num_examples=8 if smoke else 128,
+                sets={t: {'tasks': {t: 1.0}} for t in tasks},
+                after_stage1=not smoke)
+  c.seed = 0
+  c.progress = not smoke
+  return c

@@ -1,0 +1,436 @@
+"""`convert(config, workdir)`: a trained dense Transformer -> an Orthros model.
+
+    teacher (train.py checkpoint or HF dir)
+      -> Orthros params: the teacher's weights + fresh feature maps / windows
+      -> stage 1, attention transfer (workdir/stage1): per-layer MSE to the
+         teacher's attention outputs; only phi_q, phi_k, window_logit train
+      -> stage 2, phase-aware finetune (workdir/stage2): next-token loss on the
+         answer positions with a per-example prefill/decode split, through
+         LoRA on q/k/v/o (or a full finetune), optional KL to the teacher
+      -> merged params saved to workdir/orthros/checkpoints (load_params)
+      -> held-out evaluation through the inference path of the dense teacher,
+         the Orthros model and the pure-linear floor (same weights, W = 0,
+         no exact tail): workdir/report.json and report.md.
+
+Each stage runs the shared loop (orthros_jax.training.loop) in its own
+directory, so a killed conversion resumes where it stopped. Token budgets
+are config values (stage*.tokens); a stage runs tokens // (batch * seq_len)
+steps and the report states the tokens used, also as a fraction of the
+teacher's training tokens when they are known.
+
+The config (configs/convert_tiny.py documents every field):
+  teacher:   checkpoint (a train.py workdir) or hf_dir; step; train_tokens
+  attention: the Orthros AttentionConfig fields
+  data:      make_dataset arguments for both stages (tokenizer included)
+  stage1, stage2: token budget and TrainConfig fields, plus stage2's
+             lora_rank (0 = full finetune), lora_alpha, kl_weight
+  eval:      seq_len, batch_size, seed, num_examples, sets (name -> dataset
+             overrides), modes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from orthros_jax.checkpoints.hf import load_hf
+from orthros_jax.config import AttentionConfig
+from orthros_jax.config import ModelConfig
+from orthros_jax.conversion import stages
+from orthros_jax.conversion.lora import init_lora
+from orthros_jax.conversion.lora import merge_lora
+from orthros_jax.conversion.transfer import TRANSFER_PARAMS
+from orthros_jax.data import get_tokenizer
+from orthros_jax.data import make_dataset
+from orthros_jax.evaluation import inference
+from orthros_jax.model import init_orthros_params
+from orthros_jax.training import checkpoint as ckpt_lib
+from orthros_jax.training import loop
+from orthros_jax.training import step as step_lib
+from orthros_jax.training.train_lm import _plain
+from orthros_jax.training.train_lm import make_data
+from orthros_jax.training.train_lm import model_config_from
+
+_STAGE_KEYS = {'tokens'} | {f for f in loop.TrainConfig.__dataclass_fields__
+                            if f not in ('num_steps', 'trainable')}
+_STAGE2_KEYS = _STAGE_KEYS | {'lora_rank', 'lora_alpha', 'kl_weight',
+                              'lora_targets'}
+# The three models of every report: name -> (which params, attention, mode).
+MODELS = ('teacher', 'orthros', 'linear')
+
+
+# ----------------------------------------------------------------- teacher
+
+
+def load_teacher(teacher_cfg: Mapping[str, Any]
+                 ) -> tuple[ModelConfig, dict, dict]:
+  """(dense config, params, info) of the teacher named by `teacher_cfg`:
+  exactly one of checkpoint (a train.py workdir or checkpoints dir) and
+  hf_dir (a local Hugging Face Llama/Mistral/Qwen2 directory)."""
+  ckpt = teacher_cfg.get('checkpoint') or ''
+  hf_dir = teacher_cfg.get('hf_dir') or ''
+  if bool(ckpt) == bool(hf_dir):
+    raise ValueError('set exactly one of teacher.checkpoint (a train.py '
+                     'workdir) and teacher.hf_dir (a Hugging Face directory); '
+                     f'got checkpoint={ckpt!r}, hf_dir={hf_dir!r}')
+  if hf_dir:
+    config, params = load_hf(hf_dir)
+    return config, params, {'source': 'hf', 'path': os.path.abspath(hf_dir),
+                            'train_tokens': teacher_cfg.get('train_tokens')}
+  step = teacher_cfg.get('step')
+  step = None if step is None or step < 0 else step
+  params, config_dict, step = ckpt_lib.load_params(ckpt, step)
+  config = model_config_from(config_dict)
+  if config.is_orthros:
+    raise ValueError(
+        f'the teacher checkpoint {ckpt} is already an Orthros model '
+        f'(attention.kind={config.attention.kind!r}); convert a dense model')
+  _check_params(config, params, f'teacher checkpoint {ckpt}')
+  tokens = teacher_cfg.get('train_tokens') or _train_tokens(ckpt, step)
+  return config, params, {'source': 'checkpoint',
+                          'path': os.path.abspath(ckpt), 'step': step,
+                          'train_tokens': tokens}
+
+
+def _train_tokens(workdir: str, step: int) -> int | None:
+  """Tokens the teacher was trained on (steps x batch x seq_len), from the
+  config.json train.py writes in its workdir; None when unknown."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    cfg = json.load(f)
+  try:
+    return int(step) * int(cfg['data']['batch_size']) * int(
+        cfg['data']['seq_len'])
+  except (KeyError, TypeError, ValueError):
+    return None
+
+
+def _check_params(config: ModelConfig, params, where: str) -> None:
+  """Raises ValueError when `params` do not fit `config`'s model."""
+  from orthros_jax.model import Transformer  # pylint: disable=g-import-not-at-top
+  want = jax.eval_shape(
+      lambda: nn.unbox(Transformer(config).init(
+          jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32),
+          phase='forward')['params']))
+  want = ckpt_lib._flat_shapes(want)  # pylint: disable=protected-access
+  have = ckpt_lib._flat_shapes(params)  # pylint: disable=protected-access
+  missing = sorted(set(want) - set(have))
+  extra = sorted(set(have) - set(want))
+  wrong = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+  if missing or extra or wrong:
+    raise ValueError(
+        f'{where} does not match its model config: missing {missing[:5]}, '
+        f'unexpected {extra[:5]}, wrong shapes '
+        f'{[(k, have[k], want[k]) for k in wrong[:5]]}')
+
+
+def orthros_config(teacher: ModelConfig,
+                   attention: Mapping[str, Any]) -> ModelConfig:
+  attention = AttentionConfig(**_plain(attention))
+  if not attention.kind == 'orthros':
+    raise ValueError(f"attention.kind={attention.kind!r}: convert.py builds "
+                     "an Orthros model, set attention.kind='orthros'")
+  return teacher.replace(attention=attention)
+
+
+def init_student(teacher_params: dict, config: ModelConfig,
+                 rng: jax.Array) -> dict:
+  """The teacher's params plus fresh feature maps and window weights."""
+  params = jax.tree.map(jnp.copy, teacher_params)
+  for layer, extra in init_orthros_params(config, rng).items():
+    params[layer] = dict(params[layer], attn=dict(params[layer]['attn'],
+                                                  **extra['attn']))
+  return params
+
+
+def pure_linear(config: ModelConfig) -> ModelConfig:
+  """The floor: the same model with W = 0 and no exact tail."""
+  return config.replace(attention={'window': 0, 'exact_tail': 0})
+
+
+# ----------------------------------------------------------------- stages
+
+
+def _stage_config(stage: Mapping[str, Any], name: str, allowed: set[str],
+                  tokens_per_step: int, trainable) -> tuple[loop.TrainConfig,
+                                                            dict]:
+  stage = dict(_plain(stage))
+  unknown = sorted(set(stage) - allowed)
+  if unknown:
+    raise ValueError(f'{name} has unknown keys {unknown}; valid keys: '
+                     f'{sorted(allowed)}')
+  tokens = stage.pop('tokens', None)
+  if not isinstance(tokens, int) or tokens < tokens_per_step:
+    raise ValueError(
+        f'{name}.tokens={tokens!r} is invalid: expected an integer token '
+        f'budget >= one batch ({tokens_per_step} tokens = batch_size x '
+        'seq_len)')
+  steps = tokens // tokens_per_step
+  warmup = stage.get('warmup_steps', loop.TrainConfig.warmup_steps)
+  if warmup >= steps:
+    raise ValueError(f'{name}.tokens={tokens} gives {steps} steps of '
+                     f'{tokens_per_step} tokens, not more than '
+                     f'{name}.warmup_steps={warmup}; raise the budget or lower '
+                     'warmup_steps')
+  extra = {k: stage.pop(k) for k in list(stage) if k not in
+           loop.TrainConfig.__dataclass_fields__}
+  return loop.TrainConfig(num_steps=steps, trainable=trainable,
+                          **stage), extra
+
+
+def _stage_summary(history: list[dict], workdir: str, steps: int,
+                   tokens_per_step: int) -> dict:
+  """Losses at the start and end of a stage, from its metrics.jsonl (which
+  also covers steps run before a resume)."""
+  from orthros_jax.training.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  rows = [r for r in read_metrics(workdir) if 'loss' in r]
+  if not rows:
+    rows = [dict(h) for h in history]
+  return {'steps': steps, 'tokens': steps * tokens_per_step,
+          'loss_first': rows[0]['loss'] if rows else None,
+          'loss_last': rows[-1]['loss'] if rows else None,
+          'workdir': workdir}
+
+
+# --------------------------------------------------------------- evaluate
+
+
+def _eval_sets(eval_cfg: Mapping[str, Any], tokenizer) -> dict[str, Any]:
+  eval_cfg = dict(_plain(eval_cfg))
+  sets = eval_cfg.get('sets') or {}
+  if not sets:
+    raise ValueError('eval.sets is empty: name at least one held-out set')
+  out = {}
+  for name, overrides in sets.items():
+    kwargs = dict(seq_len=eval_cfg['seq_len'],
+                  batch_size=eval_cfg['batch_size'], seed=eval_cfg['seed'],
+                  num_epochs=1)
+    kwargs.update(overrides or {})
+    if kwargs.get('source', 'synthetic') == 'synthetic':
+      kwargs.setdefault('num_examples', eval_cfg['num_examples'])
+    out[name] = functools.partial(make_dataset, tokenizer=tokenizer,
+                                  **kwargs)
+  return out
+
+
+def evaluate_models(models: Mapping[str, tuple[ModelConfig, dict, str]],
+                    eval_cfg: Mapping[str, Any], tokenizer,
+                    progress: bool = True) -> dict:
+  """{model: {set: scores, 'all': token-weighted loss}} for models given as
+  name -> (config, params, inference mode), every set through the
+  inference path (orthros_jax.evaluation.inference)."""
+  sets = _eval_sets(eval_cfg, tokenizer)
+  batches = {name: list(make()) for name, make in sets.items()}
+  total = len(models) * sum(len(b) for b in batches.values())
+  results: dict[str, dict] = {}
+  with tqdm.tqdm(total=total, desc='eval', disable=not progress,
+                 dynamic_ncols=True) as bar:
+    for model, (config, params, mode) in models.items():
+      per = {}
+      for name, bs in batches.items():
+        bar.set_postfix_str(f'{model}/{name}')
+        per[name] = inference.score(config, params, bs, mode=mode,
+                                    progress=bar.update)
+      tokens = sum(s['tokens'] for s in per.values())
+      per['all'] = {'loss': sum(s['loss'] * s['tokens'] for s in per.values())
+                    / tokens, 'tokens': tokens}
+      results[model] = per
+  return results
+
+
+# ------------------------------------------------------------------ report
+
+
+def _table(results: dict, sets: list[str]) -> str:
+  head = ['model'] + [f'{s} loss' for s in sets + ['all']] + [
+      f'{s} exact %' for s in sets]
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for model, per in results.items():
+    row = [model] + [f"{per[s]['loss']:.4f}" for s in sets + ['all']]
+    for s in sets:
+      lo, hi = per[s]['exact_match_ci95']
+      row.append(f"{100 * per[s]['exact_match']:.1f} "
+                 f'[{100 * lo:.0f}, {100 * hi:.0f}]')
+    lines.append('| ' + ' | '.join(row) + ' |')
+  return '\n'.join(lines)
+
+
+def write_report(workdir: str, report: dict) -> str:
+  """report.json and report.md in workdir; returns the markdown table."""
+  with open(os.path.join(workdir, 'report.json'), 'w') as f:
+    json.dump(report, f, indent=1)
+  sets = [s for s in next(iter(report['eval'].values())) if s != 'all']
+  table = _table(report['eval'], sets)
+  t, c = report['teacher'], report['conversion']
+  frac = c.get('fraction_of_teacher_tokens')
+  md = [
+      '# Conversion report', '',
+      f"Teacher: {t['source']} {t['path']}"
+      + (f" (step {t['step']})" if t.get('step') is not None else '')
+      + (f", trained on {t['train_tokens']:,} tokens"
+         if t.get('train_tokens') else ''),
+      f"Orthros attention: {report['orthros_config']['attention']}",
+      '',
+      f"Stage 1 (attention transfer): {c['stage1']['steps']} steps, "
+      f"{c['stage1']['tokens']:,} tokens; held-out transfer MSE "
+      f"{c['stage1']['mse_before']:.4g} -> {c['stage1']['mse_after']:.4g} "
+      f"({c['stage1']['mse_factor']:.1f}x lower)",
+      f"Stage 2 (phase-aware finetune, {c['stage2']['method']}): "
+      f"{c['stage2']['steps']} steps, {c['stage2']['tokens']:,} tokens; "
+      f"loss {c['stage2']['loss_first']:.4f} -> "
+      f"{c['stage2']['loss_last']:.4f}",
+      f"Conversion tokens: {c['tokens']:,}"
+      + (f' = {100 * frac:.2f}% of the teacher\'s' if frac else ''), '',
+      '## Held-out, through the inference path', '',
+      'teacher: dense prefill + decode; orthros: hybrid prefill of the prompt '
+      f"but its last {report['orthros_config']['attention']['exact_tail']} "
+      'tokens, exact decode after; linear: the same weights with window 0 and '
+      'no exact tail, every position through the prefill formula. Loss: mean '
+      'next-token NLL on the scored positions (answers; the second half of '
+      'plain text). Exact: % of examples whose every scored token is the '
+      'greedy argmax (= greedy generation reproduces the answer), Wilson 95% '
+      'interval.', '', table, '',
+      f"Orthros / teacher loss (all): {report['summary']['loss_ratio']:.4f}",
+  ]
+  with open(os.path.join(workdir, 'report.md'), 'w') as f:
+    f.write('\n'.join(md) + '\n')
+  return table
+
+
+# -------------------------------------------------------------------- main
+
+
+def convert(config, workdir: str | os.PathLike) -> dict:
+  """Runs the conversion described by `config` in `workdir` (resuming what
+  a previous run there finished); returns the report dict."""
+  workdir = os.path.abspath(os.fspath(workdir))
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    json.dump(_plain(config), f, indent=1, default=str)
+  progress = bool(config.get('progress', True))
+  seed = int(config.get('seed', 0))
+
+  teacher, teacher_params, teacher_info = load_teacher(config.teacher)
+  student = orthros_config(teacher, config.attention)
+  data_cfg = dict(_plain(config.data))
+  tokenizer = get_tokenizer(data_cfg.get('tokenizer', 'byte'))
+  if tokenizer.vocab_size > teacher.vocab_size:
+    raise ValueError(f'the tokenizer has {tokenizer.vocab_size} ids but the '
+                     f'teacher only {teacher.vocab_size}: use the teacher\'s '
+                     'tokenizer (data.tokenizer)')
+  tokens_per_step = int(data_cfg['batch_size']) * int(data_cfg['seq_len'])
+
+  # Stage 1: attention transfer.
+  s1_cfg, _ = _stage_config(config.stage1, 'stage1', _STAGE_KEYS,
+                            tokens_per_step, TRANSFER_PARAMS)
+  s2_cfg, s2_extra = _stage_config(config.stage2, 'stage2', _STAGE2_KEYS,
+                                   tokens_per_step, None)
+  rank = int(s2_extra.get('lora_rank', 8))
+  alpha = float(s2_extra.get('lora_alpha', 16.0))
+  kl_weight = float(s2_extra.get('kl_weight', 0.0))
+  if rank < 0 or kl_weight < 0:
+    raise ValueError(f'stage2.lora_rank={rank} and stage2.kl_weight='
+                     f'{kl_weight} must be >= 0 (rank 0 = full finetune)')
+  if rank:
+    s2_cfg = dataclasses.replace(s2_cfg, trainable=('lora',))
+
+  student_init = init_student(teacher_params, student,
+                              jax.random.PRNGKey(seed))
+  objective1 = stages.transfer_objective(student)
+  probe = next(iter(make_data(dict(data_cfg, seed=int(data_cfg['seed']) + 7),
+                              teacher.vocab_size)))
+  mse = jax.jit(lambda p: objective1(p, probe, None)[0])
+  mse_before = float(mse(student_init))
+  stage1_dir = os.path.join(workdir, 'stage1')
+  state1, hist1 = loop.train(
+      s1_cfg, stage1_dir, student, student_init,
+      make_data(data_cfg, teacher.vocab_size),
+      train_step=step_lib.make_objective_step(objective1))
+  params1 = state1.params
+  mse_after = float(mse(params1))
+  logging.info('stage 1: held-out transfer MSE %.4g -> %.4g', mse_before,
+               mse_after)
+
+  # Stage 2: phase-aware finetune (LoRA or full).
+  def stage2_init():
+    lora = (init_lora(params1, jax.random.PRNGKey(seed + 1), rank=rank,
+                      targets=tuple(s2_extra.get(
+                          'lora_targets', ('q_proj', 'k_proj', 'v_proj',
+                                           'o_proj'))))
+            if rank else {})
+    return {'base': jax.tree.map(jnp.copy, params1), 'lora': lora}
+
+  objective2 = stages.finetune_objective(
+      student, split_mode=s2_cfg.split_mode, lora_alpha=alpha,
+      kl_weight=kl_weight)
+  stage2_dir = os.path.join(workdir, 'stage2')
+  state2, hist2 = loop.train(
+      s2_cfg, stage2_dir, student, stage2_init,
+      make_data(dict(data_cfg, seed=int(data_cfg['seed']) + 1),
+                teacher.vocab_size),
+      train_step=step_lib.make_objective_step(objective2))
+  final = merge_lora(state2.params['base'], state2.params['lora'],
+                     alpha=alpha)
+  total_steps = s1_cfg.num_steps + s2_cfg.num_steps
+  out_dir = os.path.join(workdir, 'orthros')
+  if not os.path.isdir(os.path.join(out_dir, 'checkpoints',
+                                    str(total_steps))):
+    ckpt_lib.save_params(out_dir, final, student, step=total_steps)
+
+  # Held-out evaluation through the inference path.
+  models = {'teacher': (teacher, teacher_params, 'inference'),
+            'orthros': (student, final, 'inference'),
+            'linear': (pure_linear(student), final, 'prefill')}
+  if config.eval.get('after_stage1', False):
+    models['orthros_stage1'] = (student, params1, 'inference')
+  results = evaluate_models(models, config.eval, tokenizer, progress)
+
+  s1 = _stage_summary(hist1, stage1_dir, s1_cfg.num_steps, tokens_per_step)
+  s1.update(mse_before=mse_before, mse_after=mse_after,
+            mse_factor=mse_before / max(mse_after, 1e-30))
+  s2 = _stage_summary(hist2, stage2_dir, s2_cfg.num_steps, tokens_per_step)
+  s2.update(method=f'LoRA r={rank} alpha={alpha}' if rank else
+            'full finetune', split_mode=s2_cfg.split_mode,
+            kl_weight=kl_weight)
+  conv_tokens = s1['tokens'] + s2['tokens']
+  teacher_tokens = teacher_info.get('train_tokens')
+  sets = [s for s in results['teacher'] if s != 'all']
+  summary = {
+      'loss_ratio': results['orthros']['all']['loss']
+                    / results['teacher']['all']['loss'],
+      'linear_loss_ratio': results['linear']['all']['loss']
+                           / results['teacher']['all']['loss'],
+      'exact_match_gap_points': {
+          s: 100 * (results['orthros'][s]['exact_match']
+                    - results['teacher'][s]['exact_match']) for s in sets
+          if 'exact_match' in results['teacher'][s]},
+  }
+  report = {
+      'teacher': teacher_info,
+      'orthros_config': dataclasses.asdict(student),
+      'checkpoint': os.path.join(out_dir, 'checkpoints', str(total_steps)),
+      'conversion': {
+          'stage1': s1, 'stage2': s2, 'tokens': conv_tokens,
+          'fraction_of_teacher_tokens': (conv_tokens / teacher_tokens
+                                         if teacher_tokens else None)},
+      'eval': results, 'summary': summary,
+  }
+  table = write_report(workdir, report)
+  print(table)
+  print(f'report: {os.path.join(workdir, "report.md")}, '
+        f'{os.path.join(workdir, "report.json")}; Orthros checkpoint: '
+        f"{report['checkpoint']}")
+  return report

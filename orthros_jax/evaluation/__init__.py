@@ -1,0 +1,1 @@
+"""Evaluation: scoring through the inference path (prefill, then decode)."""
