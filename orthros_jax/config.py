@@ -15,11 +15,11 @@ import jax.numpy as jnp
 
 AttentionKind = Literal['dense', 'orthros']
 FeatureMapName = Literal['hedgehog', 'elu', 'relu', 'taylor']
-Impl = Literal['auto', 'xla', 'pallas']
+Impl = Literal['auto', 'xla', 'pallas', 'none']
 
 _KINDS = ('dense', 'orthros')
 _FEATURE_MAPS = ('hedgehog', 'elu', 'relu', 'taylor')
-_IMPLS = ('auto', 'xla', 'pallas')
+_IMPLS = ('auto', 'xla', 'pallas', 'none')
 _ROPE_KINDS = ('linear', 'llama3')
 
 
@@ -45,7 +45,8 @@ class AttentionConfig:
   chunk_size: C, tokens per chunk of the chunk-wise prefill scan.
   exact_tail: the last N prompt tokens go through the exact decode path in
     `generate`, so the first answer token is produced by exact attention.
-  impl: 'auto' | 'xla' | 'pallas' kernel choice for prefill and decode.
+  impl: 'auto' | 'xla' | 'pallas' kernel choice for prefill and decode;
+    'none' removes attention (y = q; the speed benchmarks' ceiling only).
   window_init: initial gamma = sigmoid(g) of the window weight.
   """
 

@@ -109,3 +109,28 @@ def test_model_runs_through_kernels(monkeypatch, backend):
   for layer, ref in zip(got[2], want[2]):
     np.testing.assert_allclose(layer.S, ref.S, rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(layer.z, ref.z, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize('kind', ['dense', 'orthros'])
+def test_impl_none_removes_attention_only(kind):
+  """impl='none' (the speed ceiling): attention returns its queries, so a
+  token's logits no longer depend on the tokens before it; everything else
+  (cache lengths, generation) still runs."""
+  config = make_config(kind).replace(attention={'impl': 'none'})
+  params = init_params(config)
+  q = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 4, 8)),
+                  jnp.float32)
+  assert dispatch.exact_attention('none')(q, q, q) is q
+  assert dispatch.decode_impl('none', head_dim=8)(q, None, None, None) is q
+  y, state = dispatch.prefill_impl('none', chunk_size=4)(
+      q, q, q, q, jnp.zeros((2, 5, 4, 6)), None)
+  assert y is q and state.S.shape == (2, 4, 6, 8) and not state.S.any()
+  a = jnp.array([[5, 6, 7, 8]], jnp.int32)
+  b = jnp.array([[9, 10, 11, 8]], jnp.int32)
+  la = Transformer(config).apply({'params': params}, a, phase='forward')[0]
+  lb = Transformer(config).apply({'params': params}, b, phase='forward')[0]
+  np.testing.assert_allclose(la[0, -1], lb[0, -1], rtol=1e-6)
+  out = oj.generate(config, params, [[5, 6, 7, 8], [9, 10]],
+                    max_new_tokens=3)
+  assert out.tokens.shape == (2, 3)
+  assert int(out.cache[0].lengths[0]) == 4 + 2

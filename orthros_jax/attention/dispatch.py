@@ -5,7 +5,11 @@
            (and, with a one-time warning, where a kernel cannot take the
            shapes);
   'xla'    the pure-XLA functions of `orthros_jax.attention` (everywhere);
-  'pallas' the Pallas kernels; raises a ValueError where they cannot run.
+  'pallas' the Pallas kernels; raises a ValueError where they cannot run;
+  'none'   no attention at all: every attention call returns its queries
+           (y = q, no token mixing, the linear state passed through). Not a
+           model: the speed benchmarks' ceiling, the same network with the
+           attention cost removed (projections, cache writes, MLPs stay).
 The dense exact attention of `phase='forward'` uses cuDNN flash attention
 through `jax.nn.dot_product_attention` on GPU where it applies (half
 precision, head_dim a multiple of 8 up to 128) and the blocked XLA path
@@ -24,11 +28,30 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from orthros_jax.attention.orthros import LinearState
 from orthros_jax.attention.orthros import orthros_prefill
 from orthros_jax.attention.softmax import decode_attention
 from orthros_jax.attention.softmax import softmax_attention
 
-IMPLS = ('auto', 'xla', 'pallas')
+IMPLS = ('auto', 'xla', 'pallas', 'none')
+
+
+def _no_prefill(q, k, v, phi_q, phi_k, gamma, *, initial_state=None,
+                **unused):
+  """impl='none' prefill: y = q; (S, z) unchanged (zeros if none)."""
+  del k, v, phi_q, unused
+  if initial_state is None:
+    b, _, h, d = q.shape
+    f = phi_k.shape[-1]
+    initial_state = LinearState(jnp.zeros((b, h, f, d), jnp.float32),
+                                jnp.zeros((b, h, f), jnp.float32))
+  del gamma
+  return q, initial_state
+
+
+def _no_attention(q, *unused_args, **unused_kwargs):
+  """impl='none' decode / exact attention: y = q."""
+  return q
 
 
 def _backend() -> str:
@@ -73,6 +96,8 @@ def _choose(impl: str, what: str, problem: str | None) -> str:
 
 def prefill_impl(impl: str, *, chunk_size: int) -> Callable:
   """`orthros_prefill` or the Pallas `linear_prefill` (same signature)."""
+  if impl == 'none':
+    return _no_prefill
   backend = _backend()
   problem = None
   if backend == 'tpu' and chunk_size % 8:
@@ -97,6 +122,8 @@ def decode_impl(impl: str, *, head_dim: int, query_rows: int = 1) -> Callable:
   blocks (above MAX_DECODE_ROWS: a dense prefill, a long exact tail) always
   use the XLA blocked path, whatever the impl.
   """
+  if impl == 'none':
+    return _no_attention
   if query_rows > MAX_DECODE_ROWS:
     if impl not in IMPLS:
       raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
@@ -116,6 +143,8 @@ def exact_attention(impl: str) -> Callable:
   if impl not in IMPLS:
     raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
                      f'{IMPLS}')
+  if impl == 'none':
+    return _no_attention
   if impl == 'xla' or _backend() != 'gpu':
     return softmax_attention
 
