@@ -1,0 +1,206 @@
+"""Model-level speed: time to first token and decode tokens/s versus prompt
+length, for the same model shape with dense, Orthros and no attention.
+
+  ttft(N)       prefill of an N-token prompt (Orthros: N - exact_tail tokens
+                through the hybrid prefill, the tail through exact decode)
+                plus the first token's argmax: compiled once, then the
+                median of `reps` timed runs.
+  decode(N)     one decode step of `batch` sequences over a cache holding N
+                tokens (exact attention over the whole cache, so dense and
+                Orthros decode alike): median step time, tokens/s = batch /
+                step time.
+  memory        XLA's compiled memory analysis of the prefill (arguments +
+                outputs + temporaries, bytes): a per-program peak estimate
+                that exists on every backend (CPU has no live memory stats).
+
+'none' is the same network with attention removed (attention.impl='none':
+projections, cache writes and MLPs stay, token mixing goes): the ceiling
+Orthros' prefill approaches as its linear-time attention gets cheaper.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orthros_jax.cache import init_cache
+from orthros_jax.config import ModelConfig
+from orthros_jax.model import Transformer
+
+VARIANTS = ('dense', 'orthros', 'none')
+
+
+def variant_config(config: ModelConfig, variant: str) -> ModelConfig:
+  """The config of `variant` for a model shape given as an Orthros (or
+  dense) config: 'dense' exact attention, 'orthros' (needs Orthros
+  attention settings), 'none' no attention (dense kind, impl 'none')."""
+  if variant == 'dense':
+    return config.replace(attention={'kind': 'dense'})
+  if variant == 'orthros':
+    if not config.is_orthros:
+      raise ValueError("variant 'orthros' needs attention.kind='orthros' "
+                       'settings in the config')
+    return config
+  if variant == 'none':
+    return config.replace(attention={'kind': 'dense', 'impl': 'none'})
+  raise ValueError(f'variant={variant!r} is unknown: expected one of '
+                   f'{VARIANTS}')
+
+
+def _time(compiled: Callable, args, reps: int) -> dict:
+  jax.block_until_ready(compiled(*args))  # warm-up
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t0)
+  return {'median_s': float(np.median(times)), 'min_s': float(min(times)),
+          'reps': reps}
+
+
+def _memory_bytes(compiled) -> int | None:
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if m is None:
+    return None
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes +
+             m.temp_size_in_bytes - getattr(m, 'alias_size_in_bytes', 0))
+
+
+def _ttft_fn(config: ModelConfig, batch: int, n: int) -> Callable:
+  tail = min(config.attention.exact_tail, n - 1) if config.is_orthros else 0
+  model = Transformer(config)
+
+  def ttft(params, tokens):
+    cache = init_cache(config, batch, n)
+    lengths = jnp.full((batch,), n - tail, jnp.int32)
+    logits, cache = model.apply({'params': params}, tokens, phase='prefill',
+                                cache=cache, lengths=lengths)
+    if tail:
+      logits, _ = model.apply({'params': params}, tokens[:, n - tail:],
+                              phase='decode', cache=cache)
+      logits = logits[:, -1]
+    return jnp.argmax(logits, axis=-1)
+
+  return ttft
+
+
+def _decode_fn(config: ModelConfig) -> Callable:
+  model = Transformer(config)
+
+  def step(params, token, cache):
+    logits, cache = model.apply({'params': params}, token, phase='decode',
+                                cache=cache)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+  return step
+
+
+def measure(config: ModelConfig, params, lengths: Sequence[int], *,
+            variants: Sequence[str] = VARIANTS, batch: int = 1,
+            decode_batch: int = 1, reps: int = 3, seed: int = 0,
+            progress: Callable[[str], None] | None = None) -> list[dict]:
+  """One row per (variant, length): ttft_s, prefill_tokens_per_s,
+  decode_step_s, decode_tokens_per_s, prefill_memory_bytes, compile_s.
+
+  `params` must fit the Orthros config (dense and none ignore the feature
+  maps). Prompts are random token ids: speed does not depend on them.
+  """
+  rows = []
+  rng = np.random.default_rng(seed)
+  for variant in variants:
+    cfg = variant_config(config, variant)
+    for n in lengths:
+      if progress:
+        progress(f'{variant} N={n}')
+      tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, n)),
+                           jnp.int32)
+      t0 = time.perf_counter()
+      compiled = jax.jit(_ttft_fn(cfg, batch, n)).lower(params,
+                                                       tokens).compile()
+      compile_s = time.perf_counter() - t0
+      ttft = _time(compiled, (params, tokens), reps)
+      row = {'variant': variant, 'length': n, 'batch': batch,
+             'ttft_s': ttft['median_s'], 'ttft_min_s': ttft['min_s'],
+             'prefill_tokens_per_s': batch * n / ttft['median_s'],
+             'prefill_memory_bytes': _memory_bytes(compiled),
+             'compile_s': compile_s, 'reps': reps}
+      # Decode: a cache holding n tokens (its contents do not change the
+      # cost), one new token per sequence per step, the cache donated from
+      # step to step as in `generate`.
+      cache = init_cache(cfg, decode_batch, n + reps + 1)
+      cache = tuple(c.replace(lengths=jnp.full((decode_batch,), n, jnp.int32))
+                    for c in cache)
+      token = jnp.zeros((decode_batch, 1), jnp.int32)
+      step = jax.jit(_decode_fn(cfg), donate_argnums=2)
+      token, cache = jax.block_until_ready(step(params, token, cache))
+      times = []
+      for _ in range(reps):
+        t0 = time.perf_counter()
+        token, cache = jax.block_until_ready(step(params, token[:, None],
+                                                  cache))
+        times.append(time.perf_counter() - t0)
+      del cache
+      dec = float(np.median(times))
+      row.update(decode_batch=decode_batch, decode_step_s=dec,
+                 decode_tokens_per_s=decode_batch / dec)
+      rows.append(row)
+  return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+  """Per length: dense / Orthros TTFT and Orthros / no-attention TTFT."""
+  by = {(r['variant'], r['length']): r for r in rows}
+  out = []
+  for n in sorted({r['length'] for r in rows}):
+    d, o, z = (by.get((v, n)) for v in VARIANTS)
+    out.append({'length': n,
+                'dense_over_orthros_ttft': (d['ttft_s'] / o['ttft_s']
+                                            if d and o else None),
+                'orthros_over_none_ttft': (o['ttft_s'] / z['ttft_s']
+                                           if o and z else None)})
+  return out
+
+
+def plot(rows: list[dict], path: str) -> str | None:
+  """Log-log TTFT and decode tokens/s vs length; None without matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  styles = {'dense': ('tab:red', '-o'), 'orthros': ('tab:blue', '-s'),
+            'none': ('gray', '--')}
+  for variant in VARIANTS:
+    rs = sorted((r for r in rows if r['variant'] == variant),
+                key=lambda r: r['length'])
+    if not rs:
+      continue
+    color, style = styles[variant]
+    label = 'no attention (ceiling)' if variant == 'none' else variant
+    n = [r['length'] for r in rs]
+    axes[0].plot(n, [r['ttft_s'] for r in rs], style, color=color,
+                 label=label)
+    axes[1].plot(n, [r['decode_tokens_per_s'] for r in rs], style,
+                 color=color, label=label)
+  for ax, title, ylabel in ((axes[0], 'time to first token', 'seconds'),
+                            (axes[1], 'decode', 'tokens / s')):
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log')
+    ax.set_xlabel('prompt length (tokens)')
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which='both', alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
