@@ -149,7 +149,7 @@ def plot(rows, analysis, ceilings, out_dir, check_ratio):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
-    print('matplotlib is missing: pip install -r requirements-bench.txt; '
+    print('matplotlib is missing: pip install -r requirements.txt; '
           'no PNGs written.', flush=True)
     return
   fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
