@@ -25,14 +25,28 @@ Tasks:
   (an induction-head lookup, which is what exact decode attention must do).
 - `filler`: language-model text, random sentences over a small word list; an
   empty prompt (loss on every token).
+- `niah`: needle in a haystack over real English prose (`haystack_text()`,
+  the Python documentation bundled with the interpreter, so nothing is
+  downloaded). Consecutive haystack sentences from a random start, the needle
+  sentence "The special magic number for K is: V." at a sentence boundary at
+  `depth`, then " What is the special magic number for K mentioned in the
+  provided text? The special magic number for K mentioned in the provided text
+  is"; the answer is " V". K is an adjective-noun pair ("green-river"), V a
+  random 7-digit number. The evaluation task of the same name
+  (orthros_jax/evaluation/tasks.py) uses the same template (`niah_parts`).
+
+The haystack helpers (`haystack_text`, `haystack_sentences`, `fill_sentences`,
+`insert_needles`) are shared with the evaluation tasks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 import string
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -152,10 +166,194 @@ def filler(rng: np.random.Generator, tokenizer: Tokenizer, max_tokens: int, *,
   return [], tokens[:target]
 
 
+# ------------------------------------------------------- needle in a haystack
+
+NIAH_NEEDLE = ' The special magic number for {key} is: {value}.'
+NIAH_QUESTION = (' What is the special magic number for {key} mentioned in the '
+                 'provided text? The special magic number for {key} mentioned '
+                 'in the provided text is')
+NIAH_ANSWER = ' {value}'
+KEY_ADJECTIVES = (
+    'amber bold brave bright calm clever cold crimson dusty eager faint fancy '
+    'gentle golden green hidden hollow humble icy jolly lively lucky misty '
+    'noble quiet rapid rusty silent silver steady sunny swift tender tiny '
+    'velvet wild').split()
+KEY_NOUNS = (
+    'anchor badger beacon canyon cedar comet compass ember falcon garden '
+    'glacier harbor harvest island lantern meadow orchard otter pebble pine '
+    'prairie quarry raven river saddle summit thistle tunnel valley violin '
+    'walnut willow').split()
+
+# Haystack sentences kept from haystack_text(): plain prose of bounded length.
+HAYSTACK_MIN_CHARS = 24
+HAYSTACK_MAX_CHARS = 250
+_RULE_LINE = re.compile(r'\s*([*=~^-])\1{2,}\s*')  # reST heading underlines
+_SENTENCE_END = re.compile(r'(?<=[.!?])\s+(?=[A-Z"(])')
+_ASCII = str.maketrans({'\u2018': "'", '\u2019': "'", '\u201c': '"',
+                        '\u201d': '"', '\u2026': '...', '\u2014': '--',
+                        '\u2013': '-'})
+
+
+@functools.lru_cache(maxsize=1)
+def haystack_text() -> str:
+  """Real English prose, built offline: Python's own documentation topics.
+
+  The ~80 topics of `pydoc_data.topics` (~465K characters, bundled with the
+  interpreter) in sorted-key order, reST heading underlines dropped, common
+  typographic characters mapped to ASCII and any other non-ASCII character
+  dropped, whitespace collapsed to single spaces. Deterministic for a given
+  Python version (the documentation changes between versions).
+  """
+  from pydoc_data.topics import topics  # pylint: disable=g-import-not-at-top
+  lines = [line for name in sorted(topics)
+           for line in topics[name].splitlines()
+           if not _RULE_LINE.fullmatch(line)]
+  text = ' '.join(lines).translate(_ASCII)
+  text = text.encode('ascii', 'ignore').decode('ascii')
+  return ' '.join(text.split())
+
+
+@functools.lru_cache(maxsize=1)
+def haystack_sentences() -> tuple[str, ...]:
+  """The haystack's prose sentences, each with a leading space, in order.
+
+  `haystack_text()` split after '.', '!' or '?' before a capital letter,
+  quote or parenthesis; kept are sentences ending in '.', of
+  HAYSTACK_MIN_CHARS..HAYSTACK_MAX_CHARS characters, without code markers
+  ('>>>', '::=') and at least 80% letters and spaces (about 2000 sentences).
+  """
+  kept = []
+  for s in _SENTENCE_END.split(haystack_text()):
+    if (HAYSTACK_MIN_CHARS <= len(s) <= HAYSTACK_MAX_CHARS
+        and s.endswith('.') and '>>>' not in s and '::=' not in s
+        and sum(c.isalpha() or c == ' ' for c in s) >= 0.8 * len(s)):
+      kept.append(' ' + s)
+  return tuple(kept)
+
+
+def fill_sentences(tokenizer: Tokenizer, budget: int, sentences: Sequence[str],
+                   start: int = 0) -> list[list[int]]:
+  """Encoded sentences, from `sentences[start]` on, of at most `budget` tokens.
+
+  Sentences are taken in order, cyclically (a long budget wraps around the
+  pool); one that does not fit the remaining budget is skipped and the next
+  is tried. Filling stops once the remainder is below the token length of
+  the pool's shortest sentence (in characters), so the slack,
+  `budget - tokens returned`, is below that length: at most
+  HAYSTACK_MIN_CHARS tokens for the haystack (its sentences carry a leading
+  space) and 10 for PASSKEY_FILLER with the byte tokenizer.
+  """
+  if budget < 0:
+    raise ValueError(f'budget={budget} must be >= 0.')
+  n = len(sentences)
+  shortest = min(range(n), key=lambda i: len(sentences[i]))
+  stop = len(tokenizer.encode(sentences[shortest]))
+  chunks: list[list[int]] = []
+  i, misses = start, 0
+  while budget >= stop and misses < n:  # a full cycle of misses: none fits
+    ids = tokenizer.encode(sentences[i % n])
+    if len(ids) <= budget:
+      chunks.append(ids)
+      budget -= len(ids)
+      misses = 0
+    else:
+      misses += 1
+    i += 1
+  return chunks
+
+
+def insert_needles(chunks: Sequence[list[int]],
+                   needles: Sequence[tuple[float, list[int]]]) -> list[int]:
+  """The concatenated `chunks` with each (depth, ids) needle inserted.
+
+  A needle goes at the chunk boundary nearest `depth * haystack tokens`
+  (depth 0: before the first chunk, 1: after the last; the needles' own
+  tokens are not counted), so its offset is within half a chunk of the
+  requested depth. Needles at the same boundary keep their order in
+  `needles`.
+  """
+  bounds = np.concatenate([[0], np.cumsum([len(c) for c in chunks])])
+  slots: list[list[list[int]]] = [[] for _ in bounds]
+  for depth, ids in needles:
+    if not 0.0 <= depth <= 1.0:
+      raise ValueError(f'needle depth={depth} must be in [0, 1].')
+    slots[int(np.argmin(np.abs(bounds - depth * bounds[-1])))].append(ids)
+  out: list[int] = []
+  for j, slot in enumerate(slots):
+    for ids in slot:
+      out += ids
+    if j < len(chunks):
+      out += chunks[j]
+  return out
+
+
+def random_key(rng: np.random.Generator) -> str:
+  """An adjective-noun key such as 'green-river' (1,152 possible keys)."""
+  return (f'{KEY_ADJECTIVES[int(rng.integers(len(KEY_ADJECTIVES)))]}-'
+          f'{KEY_NOUNS[int(rng.integers(len(KEY_NOUNS)))]}')
+
+
+class NiahParts(NamedTuple):
+  prompt: list[int]
+  answer: list[int]
+  key: str
+  value: str
+  depth: float
+
+
+def niah_parts(rng: np.random.Generator, tokenizer: Tokenizer, length: int,
+               depth: float | None = None) -> NiahParts:
+  """One niah example of `length - slack` tokens (prompt + answer).
+
+  Draws, in this order, the key, the 7-digit value, the depth (uniform in
+  [0, 1] when None) and the haystack start sentence; the haystack fills the
+  length left by the needle, question and answer (slack: see
+  `fill_sentences`). Raises ValueError when even an empty haystack does not
+  fit.
+  """
+  key = random_key(rng)
+  value = str(int(rng.integers(10**6, 10**7)))
+  depth = float(rng.uniform()) if depth is None else float(depth)
+  if not 0.0 <= depth <= 1.0:
+    raise ValueError(f'niah depth={depth} must be in [0, 1].')
+  needle = tokenizer.encode(NIAH_NEEDLE.format(key=key, value=value))
+  question = tokenizer.encode(NIAH_QUESTION.format(key=key))
+  answer = tokenizer.encode(NIAH_ANSWER.format(value=value))
+  budget = length - len(needle) - len(question) - len(answer)
+  if budget < 0:
+    raise ValueError(
+        f'niah needs at least {length - budget} tokens without haystack but '
+        f'the target length is {length}; raise seq_len (or the length).')
+  sentences = haystack_sentences()
+  start = int(rng.integers(len(sentences)))
+  chunks = fill_sentences(tokenizer, budget, sentences, start)
+  prompt = insert_needles(chunks, [(depth, needle)]) + question
+  return NiahParts(prompt, answer, key, value, depth)
+
+
+def niah(rng: np.random.Generator, tokenizer: Tokenizer, max_tokens: int, *,
+         min_tokens: int | None = None, depth: float | None = None
+         ) -> tuple[list[int], list[int]]:
+  """Needle in a haystack of real prose, filled to about the target length.
+
+  The target length is `max_tokens`, or uniform in [min_tokens, max_tokens]
+  when `min_tokens` is given; the example is at most that long and within
+  one (short) haystack sentence of it (see `fill_sentences`). `depth` in
+  [0, 1] places the needle (0 = before the first haystack sentence, 1 = right
+  before the question); None draws it uniformly. The prompt is
+  `niah_parts(...).prompt`; raises ValueError when the target length cannot
+  hold the needle, question and answer (about 220 byte tokens).
+  """
+  target = _target_length(rng, max_tokens, min_tokens)
+  parts = niah_parts(rng, tokenizer, target, depth)
+  return parts.prompt, parts.answer
+
+
 TASKS: dict[str, Callable[..., tuple[list[int], list[int]]]] = {
     'passkey': passkey,
     'mqar': mqar,
     'filler': filler,
+    'niah': niah,
 }
 
 
