@@ -1,0 +1,52 @@
+"""Evaluate the tiny converted model (configs/convert_tiny.py) on CPU.
+
+  python eval.py --config=configs/eval_tiny.py \
+      --config.checkpoint=/tmp/tiny_orthros --config.teacher=/tmp/tiny
+
+`arg`: '' the full tiny suite; 'smoke' a few examples of each section
+(tests); 'speed' only the speed section, at longer lengths.
+Task lengths are in tokens (bytes for the byte tokenizer).
+"""
+
+import ml_collections
+
+
+def get_config(arg: str = '') -> ml_collections.ConfigDict:
+  smoke = arg == 'smoke'
+  c = ml_collections.ConfigDict()
+  c.name = 'tiny' if not arg else f'tiny_{arg}'
+  # An Orthros checkpoint (a convert.py workdir or its orthros/ dir) and,
+  # optionally, the dense teacher it came from (a train.py workdir); without
+  # a teacher the dense row uses the Orthros weights with dense attention.
+  c.checkpoint = ''
+  c.teacher = ''
+  c.models = ('teacher', 'orthros', 'linear')
+  c.tokenizer = 'byte'
+  c.seed = 1234
+  c.progress = not smoke
+  n = 4 if smoke else 40
+  # task -> lengths (tokens), depths (passkey / niah: fraction of the
+  # context before the needle), num_examples per cell, task options.
+  c.tasks = dict(
+      passkey=dict(lengths=[300] if smoke else [256, 320, 384],
+                   depths=[0.5] if smoke else [0.0, 0.25, 0.5, 0.75, 1.0],
+                   num_examples=n // 2 if smoke else 8),
+      niah=dict(lengths=[300] if smoke else [256, 320, 384],
+                depths=[0.5] if smoke else [0.0, 0.25, 0.5, 0.75, 1.0],
+                num_examples=n // 2 if smoke else 8),
+      mqar=dict(lengths=[96], num_examples=n,
+                num_pairs=4 if smoke else 8),
+  )
+  if arg == 'speed':
+    c.tasks = {}
+  c.quality = dict(source='synthetic', tasks={'filler': 1.0},
+                   seq_len=96 if smoke else 384, batch_size=4 if smoke else 16,
+                   seed=5, num_examples=4 if smoke else 64)
+  if arg == 'speed':
+    c.quality = {}
+  lengths = [64, 128] if smoke else [256, 512, 1024, 2048, 4096]
+  if arg == 'speed':
+    lengths = [512, 1024, 2048, 4096, 8192, 16384]
+  c.speed = dict(lengths=lengths, batch=1, decode_batch=1,
+                 reps=1 if smoke else 3)
+  return c

@@ -1,0 +1,36 @@
+"""Evaluate an Orthros checkpoint three ways: dense teacher, Orthros, pure
+linear (same weights; see orthros_jax/evaluation/suite.py).
+
+  python eval.py --config=configs/eval_tiny.py \
+      --config.checkpoint=/tmp/tiny_orthros --config.teacher=/tmp/tiny
+  python eval.py --config=configs/eval_tiny.py:speed \
+      --config.checkpoint=/tmp/tiny_orthros        # speed mode only
+
+Writes results/<name>/ (or --out): results.json, report.md, PNG plots and
+speed.csv.
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from orthros_jax.evaluation.suite import run
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
+                                          lock_config=True)
+_OUT = flags.DEFINE_string('out', None, 'Output dir (default '
+                           'results/<config.name>).')
+flags.mark_flags_as_required(['config'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  config = _CONFIG.value
+  run(config, _OUT.value or os.path.join('results', config.name))
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,108 @@
+"""Retrieval accuracy from generated tokens (greedy), for the three models of
+every report.
+
+A model is run as it would be deployed:
+  'generate'  `orthros_jax.generate`: the prompt through the prefill (hybrid
+              for Orthros, all but the exact tail), the answer decoded with
+              exact attention over the cache (dense models: dense prefill);
+  'prefill'   every token, prompt and generated, through the prefill
+              formula: the prompt in one prefill, then each generated token
+              as a one-token continued prefill. With window 0 and no exact
+              tail this is a pure linear-attention (recurrent) model: the
+              floor, which has no exact decode to fall back on.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orthros_jax.cache import init_cache
+from orthros_jax.config import ModelConfig
+from orthros_jax.evaluation import tasks as tasks_lib
+from orthros_jax.evaluation.inference import wilson_interval
+from orthros_jax.generate import generate
+from orthros_jax.generate import pad_prompts
+from orthros_jax.model import Transformer
+
+PATHS = ('generate', 'prefill')
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'max_new_tokens'))
+def _prefill_only_generate(config: ModelConfig, params, tokens, lengths, *,
+                           max_new_tokens: int):
+  model = Transformer(config)
+  b, t = tokens.shape
+  cache = init_cache(config, b, t + max_new_tokens)
+  logits, cache = model.apply({'params': params}, tokens, phase='prefill',
+                              cache=cache, lengths=lengths)
+  first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  ones = jnp.ones((b,), jnp.int32)
+
+  def body(carry, _):
+    token, cache = carry
+    logits, cache = model.apply({'params': params}, token[:, None],
+                                phase='prefill', cache=cache, lengths=ones)
+    nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return (nxt, cache), nxt
+
+  _, rest = jax.lax.scan(body, (first, cache), None,
+                         length=max_new_tokens - 1)
+  return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def greedy(config: ModelConfig, params, prompts: Sequence[Sequence[int]], *,
+           max_new_tokens: int, path: str = 'generate') -> np.ndarray:
+  """Greedy continuations [B, max_new_tokens] of ragged `prompts`."""
+  if path == 'generate':
+    return generate(config, params, prompts,
+                    max_new_tokens=max_new_tokens).tokens
+  if path != 'prefill':
+    raise ValueError(f'path={path!r} is unknown: expected one of {PATHS}')
+  tokens, lengths = pad_prompts(prompts)
+  return np.asarray(_prefill_only_generate(
+      config, params, jnp.asarray(tokens), jnp.asarray(lengths),
+      max_new_tokens=max_new_tokens))
+
+
+def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
+             tokenizer, *, length: int, num_examples: int, seed: int,
+             batch_size: int = 8, options: Mapping | None = None,
+             progress: Callable[[int], None] | None = None) -> dict:
+  """Accuracy of every model on `num_examples` examples of `task` at
+  `length` tokens: {model: {accuracy, exact, n, ci95, outputs (first 3)}}.
+
+  accuracy: mean of tasks_lib.score_output (RULER-style recall of the
+  answers in the generated text); exact: fraction of fully correct
+  examples, with its Wilson 95% interval.
+  """
+  examples = tasks_lib.make_examples(task, seed, tokenizer, length,
+                                     num_examples, **dict(options or {}))
+  new_tokens = max(len(e.target) for e in examples) + 1
+  out = {}
+  for name, (config, params, path) in models.items():
+    scores, samples = [], []
+    for i in range(0, len(examples), batch_size):
+      chunk = examples[i:i + batch_size]
+      gen = greedy(config, params, [e.prompt for e in chunk],
+                   max_new_tokens=new_tokens, path=path)
+      for e, row in zip(chunk, gen):
+        ids = [int(x) for x in row]
+        if tokenizer.eos_id in ids:
+          ids = ids[:ids.index(tokenizer.eos_id)]
+        text = tokenizer.decode(ids)
+        scores.append(tasks_lib.score_output(e, text))
+        if len(samples) < 3:
+          samples.append({'answers': list(e.answers), 'output': text})
+      if progress:
+        progress(len(chunk))
+    full = sum(s >= 1.0 for s in scores)
+    lo, hi = wilson_interval(full, len(scores))
+    out[name] = {'accuracy': float(np.mean(scores)),
+                 'exact': full / len(scores), 'n': len(scores),
+                 'ci95': [lo, hi], 'samples': samples}
+  return out

@@ -1,0 +1,408 @@
+"""`run(config, out_dir)`: the evaluation suite eval.py runs.
+
+Every number is reported three ways on the same weights, with the
+prefill/decode boundary stated:
+  teacher  dense attention: the teacher checkpoint when one is given, else
+           the Orthros checkpoint's weights with dense attention (ceiling);
+  orthros  the hybrid prefill of all but the last exact_tail prompt tokens,
+           exact decode after (`generate`);
+  linear   the same weights with window 0 and no exact tail, every token
+           through the prefill formula (floor).
+
+Sections (each optional in the config):
+  tasks       retrieval accuracy from greedy generation (evaluation/tasks.py:
+              passkey, niah, RULER's niah_*/variable_tracking/common_words/
+              frequent_words, mqar) over lengths (and depths), Wilson 95%
+  quality     held-out loss and perplexity through the inference path
+              (prefill a prefix, decode the continuation), and teacher-forced
+              (the whole text through one prefill) for comparison
+  speed       time to first token and decode tokens/s vs prompt length for
+              dense / Orthros / no attention on this machine
+Outputs in out_dir: results.json, report.md, retrieval.png, heatmaps
+(niah_heatmap.png), speed.png and speed.csv.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import tqdm
+
+from orthros_jax.config import ModelConfig
+from orthros_jax.data import get_tokenizer
+from orthros_jax.data import make_dataset
+from orthros_jax.evaluation import inference
+from orthros_jax.evaluation import retrieval
+from orthros_jax.evaluation import speed as speed_lib
+from orthros_jax.training import checkpoint as ckpt_lib
+from orthros_jax.training.train_lm import _plain
+from orthros_jax.training.train_lm import model_config_from
+
+MODELS = ('teacher', 'orthros', 'linear')
+
+
+def _load(path: str, step: int | None = None) -> tuple[ModelConfig, dict,
+                                                       int]:
+  """A checkpoint of train.py / convert.py: a convert.py workdir (its
+  orthros/ checkpoint), a train.py workdir, or a checkpoints directory."""
+  converted = os.path.join(os.fspath(path), 'orthros')
+  if os.path.isdir(os.path.join(converted, 'checkpoints')):
+    path = converted
+  params, config, step = ckpt_lib.load_params(path, step)
+  return model_config_from(config), params, step
+
+
+def pure_linear(config: ModelConfig) -> ModelConfig:
+  return config.replace(attention={'window': 0, 'exact_tail': 0})
+
+
+def load_models(config) -> tuple[dict, dict]:
+  """({name: (config, params, path)}, descriptions) of config.models."""
+  if not config.get('checkpoint'):
+    raise ValueError('set checkpoint: an Orthros checkpoint (a convert.py '
+                     'workdir or its orthros/ directory)')
+  student, params, step = _load(config.checkpoint)
+  if not student.is_orthros:
+    raise ValueError(f'checkpoint {config.checkpoint} is a dense model; '
+                     'eval.py needs an Orthros checkpoint (convert.py makes '
+                     'one) to report dense / Orthros / pure linear')
+  names = tuple(config.get('models') or MODELS)
+  unknown = sorted(set(names) - set(MODELS))
+  if unknown:
+    raise ValueError(f'models {unknown} are unknown: expected a subset of '
+                     f'{MODELS}')
+  a = student.attention
+  desc = {
+      'orthros': f'{config.checkpoint} (step {step}): window {a.window}, '
+                 f'{a.feature_map} features, prompt through the hybrid '
+                 f'prefill but its last {a.exact_tail} tokens, exact decode '
+                 'after',
+      'linear': 'the same weights, window 0 and no exact tail: every token '
+                'through the linear prefill',
+  }
+  models = {}
+  if 'teacher' in names:
+    if config.get('teacher'):
+      teacher, t_params, t_step = _load(config.teacher)
+      if teacher.is_orthros:
+        raise ValueError(f'teacher {config.teacher} is not a dense model')
+      desc['teacher'] = (f'{config.teacher} (step {t_step}): dense '
+                         'attention, dense prefill + decode')
+    else:
+      teacher, t_params = student.replace(attention={'kind': 'dense'}), params
+      desc['teacher'] = ('the same weights with dense attention (no teacher '
+                         'checkpoint given)')
+    models['teacher'] = (teacher, t_params, 'generate')
+  if 'orthros' in names:
+    models['orthros'] = (student, params, 'generate')
+  if 'linear' in names:
+    models['linear'] = (pure_linear(student), params, 'prefill')
+  return models, {k: desc[k] for k in models}
+
+
+# ------------------------------------------------------------- sections
+
+
+def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
+              progress: bool) -> list[dict]:
+  rows = []
+  jobs = []
+  for task, spec in tasks_cfg.items():
+    spec = dict(spec)
+    lengths = list(spec.pop('lengths'))
+    depths = list(spec.pop('depths', [None]))
+    num = int(spec.pop('num_examples', 20))
+    for length in lengths:
+      for depth in depths:
+        jobs.append((task, length, depth, num, spec))
+  total = sum(j[3] for j in jobs) * len(models)
+  with tqdm.tqdm(total=total, desc='retrieval', disable=not progress,
+                 dynamic_ncols=True) as bar:
+    for task, length, depth, num, spec in jobs:
+      options = dict(spec)
+      if depth is not None:
+        options['depth'] = depth
+      bar.set_postfix_str(f'{task} L={length}'
+                          + ('' if depth is None else f' d={depth}'))
+      result = retrieval.run_task(models, task, tokenizer, length=length,
+                                  num_examples=num, seed=seed,
+                                  options=options, progress=bar.update)
+      for model, r in result.items():
+        rows.append(dict(r, model=model, task=task, length=length,
+                         depth=depth))
+  return rows
+
+
+def run_quality(models, quality_cfg: Mapping[str, Any], tokenizer,
+                progress: bool) -> dict:
+  """{model: {'inference': scores, 'teacher_forced': scores}}."""
+  kwargs = dict(_plain(quality_cfg))
+  kwargs.setdefault('num_epochs', 1)
+  batches = list(make_dataset(tokenizer=tokenizer, **kwargs))
+  out = {}
+  with tqdm.tqdm(total=2 * len(models) * len(batches), desc='quality',
+                 disable=not progress, dynamic_ncols=True) as bar:
+    for name, (config, params, path) in models.items():
+      path_mode = 'inference' if path == 'generate' else 'prefill'
+      tf_mode = 'prefill' if config.is_orthros else 'inference'
+      res = {}
+      for label, mode in (('inference', path_mode),
+                          ('teacher_forced', tf_mode)):
+        s = inference.score(config, params, batches, mode=mode,
+                            progress=bar.update)
+        s['perplexity'] = math.exp(s['loss'])
+        s['mode'] = mode
+        res[label] = s
+      out[name] = res
+  return out
+
+
+def run_speed(models, speed_cfg: Mapping[str, Any], progress: bool) -> dict:
+  cfg = dict(_plain(speed_cfg))
+  if 'orthros' not in models:
+    raise ValueError('the speed section needs the orthros model')
+  config, params, _ = models['orthros']
+  with tqdm.tqdm(total=3 * len(cfg['lengths']), desc='speed',
+                 disable=not progress, dynamic_ncols=True) as bar:
+    def tick(what):
+      bar.set_postfix_str(what)
+      bar.update(1)
+    rows = speed_lib.measure(
+        config, params, [int(n) for n in cfg['lengths']],
+        batch=int(cfg.get('batch', 1)),
+        decode_batch=int(cfg.get('decode_batch', 1)),
+        reps=int(cfg.get('reps', 3)), progress=tick)
+  return {'rows': rows, 'ratios': speed_lib.ratios(rows)}
+
+
+# -------------------------------------------------------------- report
+
+
+def _fmt_acc(r: dict) -> str:
+  lo, hi = r['ci95']
+  return f"{100 * r['accuracy']:.1f} [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
+def retrieval_table(rows: list[dict], models: list[str]) -> str:
+  """Accuracy % per task and length (averaged over depths), per model."""
+  keys = sorted({(r['task'], r['length']) for r in rows})
+  lines = ['| task | length | ' + ' | '.join(models) + ' |',
+           '|---|---|' + '---|' * len(models)]
+  for task, length in keys:
+    cells = []
+    for m in models:
+      rs = [r for r in rows if r['task'] == task and r['length'] == length
+            and r['model'] == m]
+      if not rs:
+        cells.append('-')
+        continue
+      n = sum(r['n'] for r in rs)
+      acc = sum(r['accuracy'] * r['n'] for r in rs) / n
+      full = round(sum(r['exact'] * r['n'] for r in rs))
+      lo, hi = inference.wilson_interval(full, n)
+      cells.append(f'{100 * acc:.1f} [{100 * lo:.0f}, {100 * hi:.0f}]')
+    lines.append(f'| {task} | {length} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def summary_table(rows: list[dict], quality: dict | None,
+                  models: list[str]) -> str:
+  """The three-way table: each task at its longest length, and perplexity."""
+  lines = ['| metric | ' + ' | '.join(models) + ' |',
+           '|---|' + '---|' * len(models)]
+  for task in sorted({r['task'] for r in rows}):
+    longest = max(r['length'] for r in rows if r['task'] == task)
+    cells = []
+    for m in models:
+      rs = [r for r in rows if r['task'] == task and r['length'] == longest
+            and r['model'] == m]
+      n = sum(r['n'] for r in rs)
+      cells.append(f"{100 * sum(r['accuracy'] * r['n'] for r in rs) / n:.1f}"
+                   if n else '-')
+    lines.append(f'| {task} @ {longest} tokens (accuracy %) | '
+                 + ' | '.join(cells) + ' |')
+  if quality:
+    lines.append('| perplexity, inference path | ' + ' | '.join(
+        f"{quality[m]['inference']['perplexity']:.3f}" if m in quality
+        else '-' for m in models) + ' |')
+    lines.append('| perplexity, teacher-forced prefill | ' + ' | '.join(
+        f"{quality[m]['teacher_forced']['perplexity']:.3f}" if m in quality
+        else '-' for m in models) + ' |')
+  return '\n'.join(lines)
+
+
+def speed_table(speed: dict) -> str:
+  lines = ['| length | dense TTFT ms | Orthros TTFT ms | no-attention TTFT ms '
+           '| dense / Orthros | dense decode tok/s | Orthros decode tok/s |',
+           '|---|---|---|---|---|---|---|']
+  by = {(r['variant'], r['length']): r for r in speed['rows']}
+  for ratio in speed['ratios']:
+    n = ratio['length']
+    d, o, z = (by.get((v, n)) for v in speed_lib.VARIANTS)
+    f = lambda r, k, s=1e3: f'{r[k] * s:.1f}' if r else '-'
+    lines.append(
+        f"| {n} | {f(d, 'ttft_s')} | {f(o, 'ttft_s')} | {f(z, 'ttft_s')} | "
+        + (f"{ratio['dense_over_orthros_ttft']:.2f}x"
+           if ratio['dense_over_orthros_ttft'] else '-')
+        + f" | {f(d, 'decode_tokens_per_s', 1)} | "
+          f"{f(o, 'decode_tokens_per_s', 1)} |")
+  return '\n'.join(lines)
+
+
+def _plots(out_dir: str, rows: list[dict], models: list[str]) -> list[str]:
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return []
+  written = []
+  tasks = sorted({r['task'] for r in rows})
+  if tasks:
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.5),
+                             squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+      for m in models:
+        lengths = sorted({r['length'] for r in rows if r['task'] == task})
+        acc = []
+        for n in lengths:
+          rs = [r for r in rows if r['task'] == task and r['length'] == n
+                and r['model'] == m]
+          acc.append(100 * sum(r['accuracy'] * r['n'] for r in rs)
+                     / max(sum(r['n'] for r in rs), 1))
+        ax.plot(lengths, acc, '-o', label=m)
+      ax.set_title(task)
+      ax.set_xlabel('length (tokens)')
+      ax.set_ylabel('accuracy %')
+      ax.set_ylim(-5, 105)
+      ax.grid(alpha=0.3)
+      ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, 'retrieval.png')
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+  for task in tasks:
+    depth_rows = [r for r in rows if r['task'] == task
+                  and r['depth'] is not None]
+    if not depth_rows:
+      continue
+    lengths = sorted({r['length'] for r in depth_rows})
+    depths = sorted({r['depth'] for r in depth_rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.2),
+                             squeeze=False)
+    for ax, m in zip(axes[0], models):
+      grid = np.full((len(depths), len(lengths)), np.nan)
+      for r in depth_rows:
+        if r['model'] == m:
+          grid[depths.index(r['depth']), lengths.index(r['length'])] = (
+              100 * r['accuracy'])
+      im = ax.imshow(grid, vmin=0, vmax=100, cmap='RdYlGn', aspect='auto',
+                     origin='upper')
+      ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+      ax.set_yticks(range(len(depths)), [f'{100 * d:.0f}%' for d in depths])
+      ax.set_xlabel('length (tokens)')
+      ax.set_ylabel('depth')
+      ax.set_title(f'{task}: {m}')
+      for (i, j), v in np.ndenumerate(grid):
+        if not np.isnan(v):
+          ax.text(j, i, f'{v:.0f}', ha='center', va='center', fontsize=7)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    path = os.path.join(out_dir, f'{task}_heatmap.png')
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+  return written
+
+
+def run(config, out_dir: str | os.PathLike) -> dict:
+  """Runs the sections of `config` and writes the results to out_dir."""
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  os.makedirs(out_dir, exist_ok=True)
+  progress = bool(config.get('progress', True))
+  models, descriptions = load_models(config)
+  names = list(models)
+  tokenizer = get_tokenizer(config.get('tokenizer', 'byte'))
+  vocab = min(c.vocab_size for c, _, _ in models.values())
+  if tokenizer.vocab_size > vocab:
+    raise ValueError(f'the tokenizer has {tokenizer.vocab_size} ids but the '
+                     f'model only {vocab}: set tokenizer to the model\'s')
+  results: dict[str, Any] = {
+      'name': config.get('name', os.path.basename(out_dir)),
+      'date': datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      'machine': {'backend': jax.default_backend(),
+                  'devices': [str(d) for d in jax.devices()],
+                  'jax': jax.__version__, 'python': platform.python_version(),
+                  'cpu_count': os.cpu_count()},
+      'models': descriptions,
+      'model_config': dataclasses.asdict(models[names[-1]][0]
+                                         if 'orthros' not in models
+                                         else models['orthros'][0]),
+  }
+  rows: list[dict] = []
+  if config.get('tasks'):
+    rows = run_tasks(models, _plain(config.tasks), tokenizer,
+                     int(config.get('seed', 0)), progress)
+    results['retrieval'] = rows
+  quality = None
+  if config.get('quality'):
+    quality = run_quality(models, config.quality, tokenizer, progress)
+    results['quality'] = quality
+  if config.get('speed'):
+    results['speed'] = run_speed(models, config.speed, progress)
+  with open(os.path.join(out_dir, 'results.json'), 'w') as f:
+    json.dump(results, f, indent=1, default=str)
+
+  md = [f"# Evaluation: {results['name']}", '',
+        f"{results['date']}; backend {results['machine']['backend']}, jax "
+        f"{results['machine']['jax']}", '', '## Models', '']
+  md += [f'- **{k}**: {v}' for k, v in descriptions.items()]
+  summary = ''
+  if rows or quality:
+    summary = summary_table(rows, quality, names)
+    md += ['', '## Summary (three ways, same weights)', '', summary]
+  if rows:
+    md += ['', '## Retrieval accuracy % (greedy; mean over depths; Wilson '
+           '95% interval of fully correct examples)', '',
+           retrieval_table(rows, names)]
+  if quality:
+    md += ['', '## Quality', '', '| model | inference-path loss | '
+           'inference-path ppl | teacher-forced ppl | tokens |',
+           '|---|---|---|---|---|']
+    for m, q in quality.items():
+      md.append(f"| {m} | {q['inference']['loss']:.4f} | "
+                f"{q['inference']['perplexity']:.3f} | "
+                f"{q['teacher_forced']['perplexity']:.3f} | "
+                f"{int(q['inference']['tokens'])} |")
+  if config.get('speed'):
+    sp = results['speed']
+    md += ['', '## Speed (this machine, same model shape)', '',
+           speed_table(sp)]
+    with open(os.path.join(out_dir, 'speed.csv'), 'w', newline='') as f:
+      w = csv.DictWriter(f, fieldnames=list(sp['rows'][0]))
+      w.writeheader()
+      w.writerows(sp['rows'])
+    plot = speed_lib.plot(sp['rows'], os.path.join(out_dir, 'speed.png'))
+    if plot:
+      md += ['', '![speed](speed.png)']
+  plots = _plots(out_dir, rows, names)
+  md += [''] + [f'![{os.path.basename(p)}]({os.path.basename(p)})'
+                for p in plots]
+  with open(os.path.join(out_dir, 'report.md'), 'w') as f:
+    f.write('\n'.join(md) + '\n')
+  results['summary_table'] = summary
+  print(summary)
+  print(f'report: {os.path.join(out_dir, "report.md")}; results: '
+        f'{os.path.join(out_dir, "results.json")}; plots: '
+        f'{", ".join(os.path.basename(p) for p in plots) or "none"}')
+  return results
