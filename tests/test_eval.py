@@ -1,0 +1,196 @@
+"""eval.py: the prefill-only floor's generation, retrieval runs, speed rows,
+and the suite end to end on small random checkpoints."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import orthros_jax as oj
+from configs import eval_tiny
+from orthros_jax.data import get_tokenizer
+from orthros_jax.evaluation import retrieval
+from orthros_jax.evaluation import speed
+from orthros_jax.evaluation import suite
+from orthros_jax.model import Transformer
+from orthros_jax.training import checkpoint as ckpt_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.filterwarnings(
+    'ignore:Some donated buffers were not usable')
+
+ORTHROS = oj.ModelConfig(
+    vocab_size=259, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
+    head_dim=8, mlp_dim=64,
+    attention=oj.AttentionConfig(kind='orthros', window=8, chunk_size=8,
+                                 feature_dim=4))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init(config, rng):
+  return nn.unbox(Transformer(config).init(rng, jnp.zeros((1, 8), jnp.int32),
+                                           phase='forward')['params'])
+
+
+@pytest.mark.parametrize('window', [0, 3])
+def test_prefill_only_generation_is_the_prefill_formula(window):
+  """Each generated token is the argmax of the prefill formula over the
+  prompt and the tokens generated so far (recomputed from scratch)."""
+  config = ORTHROS.replace(attention={'window': window, 'exact_tail': 0})
+  params = _init(config, jax.random.PRNGKey(0))
+  prompts = [[5, 9, 33, 70, 2, 41, 41, 8, 100], [17, 3, 250, 6]]
+  out = retrieval.greedy(config, params, prompts, max_new_tokens=6,
+                         path='prefill')
+  assert out.shape == (2, 6)
+  for prompt, row in zip(prompts, out):
+    seq = list(prompt)
+    for token in row:
+      logits, _ = Transformer(config).apply(
+          {'params': params}, jnp.asarray([seq]), phase='forward')
+      assert int(jnp.argmax(logits[0, -1])) == int(token)
+      seq.append(int(token))
+  with pytest.raises(ValueError, match='path'):
+    retrieval.greedy(config, params, prompts, max_new_tokens=2, path='x')
+
+
+def test_run_task_scores_generated_text(monkeypatch):
+  """An oracle model (its greedy output replaced by the target) scores 100%,
+  the real random model ~0; the floor runs the prefill path."""
+  params = _init(ORTHROS, jax.random.PRNGKey(1))
+  tok = get_tokenizer('byte')
+  models = {'orthros': (ORTHROS, params, 'generate'),
+            'linear': (suite.pure_linear(ORTHROS), params, 'prefill')}
+  result = retrieval.run_task(models, 'passkey', tok, length=300,
+                              num_examples=3, seed=0, batch_size=2)
+  assert set(result) == {'orthros', 'linear'}
+  for r in result.values():
+    assert r['n'] == 3 and r['accuracy'] < 0.5 and len(r['samples']) == 3
+  from orthros_jax.evaluation import tasks
+  examples = tasks.make_examples('passkey', 0, tok, 300, 3)
+
+  def oracle(config, params, prompts, *, max_new_tokens, path):
+    del config, params, path
+    by_prompt = {tuple(e.prompt): e.target for e in examples}
+    return np.array([by_prompt[tuple(p)] + [tok.eos_id] * (
+        max_new_tokens - len(by_prompt[tuple(p)])) for p in prompts])
+
+  monkeypatch.setattr(retrieval, 'greedy', oracle)
+  result = retrieval.run_task(models, 'passkey', tok, length=300,
+                              num_examples=3, seed=0)
+  assert result['orthros']['accuracy'] == 1.0
+  assert result['orthros']['ci95'][1] == 1.0
+
+
+def test_speed_rows_and_variants():
+  params = _init(ORTHROS, jax.random.PRNGKey(0))
+  rows = speed.measure(ORTHROS, params, [16, 40], reps=1)
+  assert [(r['variant'], r['length']) for r in rows] == [
+      (v, n) for v in speed.VARIANTS for n in (16, 40)]
+  for r in rows:
+    assert r['ttft_s'] > 0 and r['decode_tokens_per_s'] > 0
+    assert r['prefill_tokens_per_s'] == pytest.approx(r['length'] /
+                                                      r['ttft_s'])
+  ratios = speed.ratios(rows)
+  assert [r['length'] for r in ratios] == [16, 40]
+  assert all(r['dense_over_orthros_ttft'] > 0 for r in ratios)
+  assert speed.variant_config(ORTHROS, 'none').attention.impl == 'none'
+  assert not speed.variant_config(ORTHROS, 'dense').is_orthros
+  with pytest.raises(ValueError, match='unknown'):
+    speed.variant_config(ORTHROS, 'sparse')
+  with pytest.raises(ValueError, match="kind='orthros'"):
+    speed.variant_config(ORTHROS.replace(attention={'kind': 'dense'}),
+                         'orthros')
+
+
+@pytest.fixture(scope='module')
+def checkpoints(tmp_path_factory):
+  root = tmp_path_factory.mktemp('ckpts')
+  params = _init(ORTHROS, jax.random.PRNGKey(2))
+  ckpt_lib.save_params(root / 'orthros', params, ORTHROS, step=3)
+  dense = ORTHROS.replace(attention={'kind': 'dense'})
+  ckpt_lib.save_params(root / 'teacher', _init(dense, jax.random.PRNGKey(3)),
+                       dense, step=5)
+  return root
+
+
+def _smoke_config(checkpoints, teacher=True):
+  c = eval_tiny.get_config('smoke')
+  c.checkpoint = str(checkpoints / 'orthros')
+  c.teacher = str(checkpoints / 'teacher') if teacher else ''
+  c.tasks.passkey.num_examples = 2
+  c.tasks.niah.num_examples = 2
+  c.tasks.mqar.num_examples = 2
+  return c
+
+
+def test_suite_writes_results_report_and_plots(checkpoints, tmp_path):
+  results = suite.run(_smoke_config(checkpoints), tmp_path)
+  with open(tmp_path / 'results.json') as f:
+    saved = json.load(f)
+  assert set(saved['models']) == {'teacher', 'orthros', 'linear'}
+  assert 'step 5' in saved['models']['teacher']
+  cells = {(r['task'], r['model']) for r in saved['retrieval']}
+  assert cells == {(t, m) for t in ('passkey', 'niah', 'mqar')
+                   for m in ('teacher', 'orthros', 'linear')}
+  q = saved['quality']
+  assert q['orthros']['inference']['mode'] == 'inference'
+  assert q['orthros']['teacher_forced']['mode'] == 'prefill'
+  assert q['linear']['inference']['mode'] == 'prefill'
+  assert q['teacher']['inference']['loss'] == q['teacher'][
+      'teacher_forced']['loss']
+  assert len(saved['speed']['rows']) == 3 * 2
+  report = (tmp_path / 'report.md').read_text()
+  assert '## Summary' in report and results['summary_table'] in report
+  for name in ('speed.png', 'retrieval.png', 'passkey_heatmap.png',
+               'niah_heatmap.png', 'speed.csv'):
+    assert (tmp_path / name).stat().st_size > 0
+
+
+def test_suite_without_teacher_uses_dense_attention_on_the_same_weights(
+    checkpoints, tmp_path):
+  c = _smoke_config(checkpoints, teacher=False)
+  c.tasks = {}
+  c.speed = {}
+  results = suite.run(c, tmp_path)
+  assert 'same weights' in results['models']['teacher']
+  assert set(results) >= {'quality'} and 'speed' not in results
+
+
+def test_suite_errors(checkpoints, tmp_path):
+  c = _smoke_config(checkpoints)
+  c.checkpoint = ''
+  with pytest.raises(ValueError, match='set checkpoint'):
+    suite.run(c, tmp_path)
+  c = _smoke_config(checkpoints)
+  c.checkpoint = str(checkpoints / 'teacher')
+  with pytest.raises(ValueError, match='dense model'):
+    suite.run(c, tmp_path)
+  c = _smoke_config(checkpoints)
+  c.models = ('orthros', 'sparse')
+  with pytest.raises(ValueError, match='sparse'):
+    suite.run(c, tmp_path)
+  c = _smoke_config(checkpoints)
+  c.checkpoint = str(tmp_path / 'missing')
+  with pytest.raises(FileNotFoundError):
+    suite.run(c, tmp_path)
+
+
+def test_eval_py_entry_point(checkpoints, tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.run(
+      [sys.executable, 'eval.py', '--config=configs/eval_tiny.py:smoke',
+       f'--config.checkpoint={checkpoints / "orthros"}',
+       '--config.tasks.passkey.num_examples=1',
+       '--config.tasks.niah.num_examples=1',
+       '--config.tasks.mqar.num_examples=1', f'--out={tmp_path}'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert '| metric | teacher | orthros | linear |' in proc.stdout
+  assert (tmp_path / 'report.md').exists()
