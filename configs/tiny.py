@@ -3,7 +3,11 @@
   python train.py --config=configs/tiny.py --workdir=/tmp/tiny
   python train.py --config=configs/tiny.py:smoke --workdir=/tmp/tiny_smoke
 
-`arg` 'smoke' shrinks everything to a few steps (tests, quick checks).
+`arg` 'smoke' shrinks everything to a few steps (tests, quick checks);
+'niah' adds the needle-in-a-haystack task (a needle in Python's own
+documentation prose) to the mix. The committed demo teacher
+(assets/tiny_teacher) is 2000 steps of the default mix continued to 2800
+steps with 'niah' (commands in assets/tiny_teacher/README.md).
 """
 
 import ml_collections
@@ -21,6 +25,11 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   seq_len = 96 if smoke else 384
   tasks = {'mqar': 1.0} if smoke else {'passkey': 1.0, 'mqar': 1.0,
                                        'filler': 0.5}
+  if arg == 'niah':
+    tasks = dict(tasks, niah=1.0)
+  elif arg not in ('', 'smoke'):
+    raise ValueError(f"configs/tiny.py: unknown arg {arg!r} (expected '', "
+                     "'smoke' or 'niah')")
   c.data = dict(source='synthetic', seq_len=seq_len,
                 batch_size=4 if smoke else 16, seed=0, tasks=tasks)
   c.eval_data = dict(source='synthetic', seq_len=seq_len,
