@@ -5,7 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 --durations=15
 
-.PHONY: test install clean
+.PHONY: demo test install clean
+
+# The demo: the committed tiny dense teacher (assets/tiny_teacher, made by
+# train.py: see its README) -> convert.py -> eval.py, three-way report.
+DEMO_DIR ?= results/demo
+DEMO_TEACHER ?= assets/tiny_teacher
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +25,15 @@ $(VENV)/.installed-test: requirements.txt requirements-test.txt $(VENV)/.install
 	touch $@
 
 install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) convert.py --config=configs/convert_tiny.py \
+	  --config.teacher.checkpoint=$(DEMO_TEACHER) --workdir=$(DEMO_DIR)/convert
+	$(PY) eval.py --config=configs/eval_tiny.py \
+	  --config.checkpoint=$(DEMO_DIR)/convert \
+	  --config.teacher=$(DEMO_TEACHER) --out=$(DEMO_DIR)/eval
+	@echo "demo done: $(DEMO_DIR)/convert/report.md (conversion)," \
+	  "$(DEMO_DIR)/eval/report.md and $(DEMO_DIR)/eval/*.png (evaluation)"
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -49,13 +49,23 @@ def test_prefill_only_generation_is_the_prefill_formula(window):
   out = retrieval.greedy(config, params, prompts, max_new_tokens=6,
                          path='prefill')
   assert out.shape == (2, 6)
+  # Causal: position len(seq) - 1 of a right-padded row sees only seq.
+  forward = jax.jit(lambda x: Transformer(config).apply(
+      {'params': params}, x, phase='forward')[0])
   for prompt, row in zip(prompts, out):
     seq = list(prompt)
     for token in row:
-      logits, _ = Transformer(config).apply(
-          {'params': params}, jnp.asarray([seq]), phase='forward')
-      assert int(jnp.argmax(logits[0, -1])) == int(token)
+      padded = jnp.asarray([seq + [0] * (16 - len(seq))])
+      assert int(jnp.argmax(forward(padded)[0, len(seq) - 1])) == int(token)
       seq.append(int(token))
+  # Padding to a fixed width and batch (one compile per task) changes
+  # nothing, on either path.
+  for path in retrieval.PATHS:
+    plain = retrieval.greedy(config, params, prompts, max_new_tokens=6,
+                             path=path)
+    padded = retrieval.greedy(config, params, prompts, max_new_tokens=6,
+                              path=path, width=32, batch=5)
+    np.testing.assert_array_equal(plain, padded)
   with pytest.raises(ValueError, match='path'):
     retrieval.greedy(config, params, prompts, max_new_tokens=2, path='x')
 
@@ -75,8 +85,8 @@ def test_run_task_scores_generated_text(monkeypatch):
   from orthros_jax.evaluation import tasks
   examples = tasks.make_examples('passkey', 0, tok, 300, 3)
 
-  def oracle(config, params, prompts, *, max_new_tokens, path):
-    del config, params, path
+  def oracle(config, params, prompts, *, max_new_tokens, **unused):
+    del config, params, unused
     by_prompt = {tuple(e.prompt): e.target for e in examples}
     return np.array([by_prompt[tuple(p)] + [tok.eos_id] * (
         max_new_tokens - len(by_prompt[tuple(p)])) for p in prompts])

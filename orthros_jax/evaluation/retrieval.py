@@ -56,17 +56,32 @@ def _prefill_only_generate(config: ModelConfig, params, tokens, lengths, *,
 
 
 def greedy(config: ModelConfig, params, prompts: Sequence[Sequence[int]], *,
-           max_new_tokens: int, path: str = 'generate') -> np.ndarray:
-  """Greedy continuations [B, max_new_tokens] of ragged `prompts`."""
-  if path == 'generate':
-    return generate(config, params, prompts,
-                    max_new_tokens=max_new_tokens).tokens
-  if path != 'prefill':
+           max_new_tokens: int, path: str = 'generate',
+           width: int | None = None, batch: int | None = None) -> np.ndarray:
+  """Greedy continuations [B, max_new_tokens] of ragged `prompts`.
+
+  width / batch: pad the prompt array to this many columns / rows (repeating
+  the last prompt), so calls with different prompts share one compiled
+  program; the padding rows are dropped from the result.
+  """
+  if path not in PATHS:
     raise ValueError(f'path={path!r} is unknown: expected one of {PATHS}')
   tokens, lengths = pad_prompts(prompts)
-  return np.asarray(_prefill_only_generate(
-      config, params, jnp.asarray(tokens), jnp.asarray(lengths),
-      max_new_tokens=max_new_tokens))
+  n = len(lengths)
+  if width is not None and width > tokens.shape[1]:
+    tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
+  if batch is not None and batch > n:
+    tokens = np.concatenate([tokens, np.repeat(tokens[-1:], batch - n, 0)])
+    lengths = np.concatenate([lengths, np.repeat(lengths[-1:], batch - n)])
+  if path == 'generate':
+    out = generate(config, params, tokens, lengths=lengths,
+                   max_len=tokens.shape[1] + max_new_tokens,
+                   max_new_tokens=max_new_tokens).tokens
+  else:
+    out = np.asarray(_prefill_only_generate(
+        config, params, jnp.asarray(tokens), jnp.asarray(lengths),
+        max_new_tokens=max_new_tokens))
+  return out[:n]
 
 
 def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
@@ -83,13 +98,16 @@ def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
   examples = tasks_lib.make_examples(task, seed, tokenizer, length,
                                      num_examples, **dict(options or {}))
   new_tokens = max(len(e.target) for e in examples) + 1
+  # One prompt width for the whole task (a multiple of 64): one compile.
+  width = -(-max(len(e.prompt) for e in examples) // 64) * 64
   out = {}
   for name, (config, params, path) in models.items():
     scores, samples = [], []
     for i in range(0, len(examples), batch_size):
       chunk = examples[i:i + batch_size]
       gen = greedy(config, params, [e.prompt for e in chunk],
-                   max_new_tokens=new_tokens, path=path)
+                   max_new_tokens=new_tokens, path=path, width=width,
+                   batch=batch_size)
       for e, row in zip(chunk, gen):
         ids = [int(x) for x in row]
         if tokenizer.eos_id in ids:
