@@ -5,6 +5,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -330,13 +331,18 @@ def test_convert_from_hugging_face_teacher(tmp_path):
                              nll / tokens, rtol=1e-4)
 
 
-def test_convert_py_entry_point(teacher_dir, tmp_path):
+def test_convert_py_entry_point(converted, teacher_dir, tmp_path):
+  """convert.py on a copy of a finished conversion: it resumes (no step
+  runs again), re-evaluates and prints the same table."""
+  workdir, report = converted
+  shutil.copytree(workdir, tmp_path / 'run')
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   proc = subprocess.run(
       [sys.executable, 'convert.py', '--config=configs/convert_tiny.py:smoke',
        f'--config.teacher.checkpoint={teacher_dir}',
-       '--config.eval.num_examples=4', f'--workdir={tmp_path}'],
+       '--config.eval.num_examples=4', f'--workdir={tmp_path / "run"}'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert '| orthros |' in proc.stdout
-  assert (tmp_path / 'report.json').exists()
+  with open(tmp_path / 'run' / 'report.json') as f:
+    assert json.load(f)['eval'] == json.loads(json.dumps(report['eval']))
