@@ -204,3 +204,23 @@ def test_eval_py_entry_point(checkpoints, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert '| metric | teacher | orthros | linear |' in proc.stdout
   assert (tmp_path / 'report.md').exists()
+
+
+def test_every_retrieval_task_runs_through_the_suite(checkpoints, tmp_path):
+  """All ten tasks, one example each on a random model, at one width (one
+  prefill compile): the pipeline from generator to scorer is wired for
+  each, and the report lists them."""
+  from orthros_jax.evaluation import tasks
+  c = _smoke_config(checkpoints)
+  c.models = ('orthros',)
+  c.quality = {}
+  c.speed = {}
+  c.tasks = {name: {'lengths': [640], 'num_examples': 1}
+             for name in tasks.TASKS if name != 'mqar'}
+  c.tasks['mqar'] = {'lengths': [96], 'num_examples': 1, 'num_pairs': 4}
+  results = suite.run(c, tmp_path)
+  assert {r['task'] for r in results['retrieval']} == set(tasks.TASKS)
+  for r in results['retrieval']:
+    assert r['n'] == 1 and 0.0 <= r['accuracy'] <= 1.0
+  report = (tmp_path / 'report.md').read_text()
+  assert all(f'| {name} |' in report for name in tasks.TASKS)
