@@ -88,6 +88,8 @@ def test_stage1_lowers_mse_and_touches_only_feature_maps():
     params, opt_state, loss = step(params, opt_state)
     first = float(loss) if first is None else first
   final = float(transfer_loss(params, config, inputs, outputs)[0])
+  print(f'stage 1 transfer MSE {first:.4g} -> {final:.4g}: '
+        f'{first / final:.1f}x lower')
   assert first / final >= 3.0, (first, final)
   for path, value in jax.tree_util.tree_leaves_with_path(params):
     before = functools.reduce(lambda t, k: t[k.key], path, teacher_params) \
