@@ -92,8 +92,9 @@ def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
   `length` tokens: {model: {accuracy, exact, n, ci95, outputs (first 3)}}.
 
   accuracy: mean of tasks_lib.score_output (RULER-style recall of the
-  answers in the generated text); exact: fraction of fully correct
-  examples, with its Wilson 95% interval.
+  answers in the generated text) with the Wilson 95% interval of
+  round(sum of scores) successes (exact for single-answer tasks); exact:
+  fraction of fully correct examples, with its own interval (exact_ci95).
   """
   examples = tasks_lib.make_examples(task, seed, tokenizer, length,
                                      num_examples, **dict(options or {}))
@@ -119,8 +120,10 @@ def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
       if progress:
         progress(len(chunk))
     full = sum(s >= 1.0 for s in scores)
-    lo, hi = wilson_interval(full, len(scores))
+    lo, hi = wilson_interval(round(sum(scores)), len(scores))
     out[name] = {'accuracy': float(np.mean(scores)),
                  'exact': full / len(scores), 'n': len(scores),
-                 'ci95': [lo, hi], 'samples': samples}
+                 'ci95': [lo, hi],
+                 'exact_ci95': list(wilson_interval(full, len(scores))),
+                 'samples': samples}
   return out
