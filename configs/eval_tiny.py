@@ -30,13 +30,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # tiny teacher saw passkey/niah only at 384 tokens (its seq_len); 256
   # shows how it generalises to shorter contexts.
   c.tasks = dict(
-      passkey=dict(lengths=[300] if smoke else [256, 384],
-                   depths=[0.5] if smoke else [0.0, 0.25, 0.5, 0.75, 1.0],
+      passkey=dict(lengths=(300,) if smoke else (256, 384),
+                   depths=(0.5,) if smoke else (0.0, 0.25, 0.5, 0.75, 1.0),
                    num_examples=n // 2 if smoke else 12),
-      niah=dict(lengths=[300] if smoke else [256, 384],
-                depths=[0.5] if smoke else [0.0, 0.25, 0.5, 0.75, 1.0],
+      niah=dict(lengths=(300,) if smoke else (256, 384),
+                depths=(0.5,) if smoke else (0.0, 0.25, 0.5, 0.75, 1.0),
                 num_examples=n // 2 if smoke else 12),
-      mqar=dict(lengths=[96], num_examples=n if smoke else 60,
+      mqar=dict(lengths=(96,), num_examples=n if smoke else 60,
                 num_pairs=4 if smoke else 8),
   )
   if arg == 'speed':
@@ -46,9 +46,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                    seed=5, num_examples=4 if smoke else 64)
   if arg == 'speed':
     c.quality = {}
-  lengths = [64, 128] if smoke else [256, 1024, 4096]
+  lengths = (64, 128) if smoke else (256, 1024, 4096)
   if arg == 'speed':
-    lengths = [512, 1024, 2048, 4096, 8192, 16384]
+    lengths = (512, 1024, 2048, 4096, 8192, 16384)
   c.speed = dict(lengths=lengths, batch=1, decode_batch=1,
                  reps=1 if smoke else 3)
   return c

@@ -272,6 +272,11 @@ def test_convert_errors(teacher_dir, tmp_path):
     run(attention__kind='dense')
   with pytest.raises(ValueError, match='stage1.tokens'):
     run(stage1__tokens=10)
+  # Config errors come before the (possibly large) teacher is read.
+  with pytest.raises(ValueError, match='stage1.tokens'):
+    run(teacher__checkpoint=str(tmp_path / 'missing'), stage1__tokens=10)
+  with pytest.raises(ValueError, match="kind='orthros'"):
+    run(teacher__checkpoint=str(tmp_path / 'missing'), attention__kind='dense')
   with pytest.raises(ValueError, match='warmup_steps'):
     run(stage2__warmup_steps=4)
   with pytest.raises(ValueError, match='lora_rank'):

@@ -137,13 +137,22 @@ def _check_params(config: ModelConfig, params, where: str) -> None:
         f'{[(k, have[k], want[k]) for k in wrong[:5]]}')
 
 
-def orthros_config(teacher: ModelConfig,
-                   attention: Mapping[str, Any]) -> ModelConfig:
-  attention = AttentionConfig(**_plain(attention))
+def orthros_attention(attention: AttentionConfig | Mapping[str, Any]
+                      ) -> AttentionConfig:
+  """The converted model's AttentionConfig; raises unless kind='orthros'."""
+  if not isinstance(attention, AttentionConfig):
+    attention = AttentionConfig(**_plain(attention))
   if not attention.kind == 'orthros':
     raise ValueError(f"attention.kind={attention.kind!r}: convert.py builds "
                      "an Orthros model, set attention.kind='orthros'")
-  return teacher.replace(attention=attention)
+  return attention
+
+
+def orthros_config(teacher: ModelConfig,
+                   attention: AttentionConfig | Mapping[str, Any]
+                   ) -> ModelConfig:
+  """The teacher's config with Orthros `attention` (checked)."""
+  return teacher.replace(attention=orthros_attention(attention))
 
 
 def init_student(teacher_params: dict, config: ModelConfig,
@@ -323,17 +332,9 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   progress = bool(config.get('progress', True))
   seed = int(config.get('seed', 0))
 
-  teacher, teacher_params, teacher_info = load_teacher(config.teacher)
-  student = orthros_config(teacher, config.attention)
+  # Every config value is checked before the (possibly large) teacher loads.
   data_cfg = dict(_plain(config.data))
-  tokenizer = get_tokenizer(data_cfg.get('tokenizer', 'byte'))
-  if tokenizer.vocab_size > teacher.vocab_size:
-    raise ValueError(f'the tokenizer has {tokenizer.vocab_size} ids but the '
-                     f'teacher only {teacher.vocab_size}: use the teacher\'s '
-                     'tokenizer (data.tokenizer)')
   tokens_per_step = int(data_cfg['batch_size']) * int(data_cfg['seq_len'])
-
-  # Stage 1: attention transfer.
   s1_cfg, _ = _stage_config(config.stage1, 'stage1', _STAGE_KEYS,
                             tokens_per_step, TRANSFER_PARAMS)
   s2_cfg, s2_extra = _stage_config(config.stage2, 'stage2', _STAGE2_KEYS,
@@ -346,6 +347,17 @@ def convert(config, workdir: str | os.PathLike) -> dict:
                      f'{kl_weight} must be >= 0 (rank 0 = full finetune)')
   if rank:
     s2_cfg = dataclasses.replace(s2_cfg, trainable=('lora',))
+  if not _plain(config.eval).get('sets'):
+    raise ValueError('eval.sets is empty: name at least one held-out set')
+  tokenizer = get_tokenizer(data_cfg.get('tokenizer', 'byte'))
+  attention = orthros_attention(config.attention)
+
+  teacher, teacher_params, teacher_info = load_teacher(config.teacher)
+  student = orthros_config(teacher, attention)
+  if tokenizer.vocab_size > teacher.vocab_size:
+    raise ValueError(f'the tokenizer has {tokenizer.vocab_size} ids but the '
+                     f'teacher only {teacher.vocab_size}: use the teacher\'s '
+                     'tokenizer (data.tokenizer)')
 
   student_init = init_student(teacher_params, student,
                               jax.random.PRNGKey(seed))
