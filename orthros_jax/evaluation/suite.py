@@ -311,6 +311,7 @@ def _plots(out_dir: str, rows: list[dict], models: list[str]) -> list[str]:
       for (i, j), v in np.ndenumerate(grid):
         if not np.isnan(v):
           ax.text(j, i, f'{v:.0f}', ha='center', va='center', fontsize=7)
+    fig.subplots_adjust(wspace=0.45, bottom=0.2, right=0.85)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
     path = os.path.join(out_dir, f'{task}_heatmap.png')
     fig.savefig(path, dpi=110)
