@@ -16,6 +16,7 @@ import pytest
 import orthros_jax as oj
 from configs import eval_tiny
 from orthros_jax.data import get_tokenizer
+from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import retrieval
 from orthros_jax.evaluation import speed
 from orthros_jax.evaluation import suite
@@ -76,7 +77,7 @@ def test_run_task_scores_generated_text(monkeypatch):
   params = _init(ORTHROS, jax.random.PRNGKey(1))
   tok = get_tokenizer('byte')
   models = {'orthros': (ORTHROS, params, 'generate'),
-            'linear': (suite.pure_linear(ORTHROS), params, 'prefill')}
+            'linear': (inference.pure_linear(ORTHROS), params, 'prefill')}
   result = retrieval.run_task(models, 'passkey', tok, length=300,
                               num_examples=3, seed=0, batch_size=2)
   assert set(result) == {'orthros', 'linear'}

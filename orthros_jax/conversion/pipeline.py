@@ -165,11 +165,6 @@ def init_student(teacher_params: dict, config: ModelConfig,
   return params
 
 
-def pure_linear(config: ModelConfig) -> ModelConfig:
-  """The floor: the same model with W = 0 and no exact tail."""
-  return config.replace(attention={'window': 0, 'exact_tail': 0})
-
-
 # ----------------------------------------------------------------- stages
 
 
@@ -405,7 +400,7 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   # Held-out evaluation through the inference path.
   models = {'teacher': (teacher, teacher_params, 'inference'),
             'orthros': (student, final, 'inference'),
-            'linear': (pure_linear(student), final, 'prefill')}
+            'linear': (inference.pure_linear(student), final, 'prefill')}
   if config.eval.get('after_stage1', False):
     models['orthros_stage1'] = (student, params1, 'inference')
   results = evaluate_models(models, config.eval, tokenizer, progress)

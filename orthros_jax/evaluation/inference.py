@@ -46,6 +46,12 @@ MODES = ('inference', 'prefill', 'forward')
 _DECODE_BUCKET = 16  # decode lengths are padded to a multiple (fewer compiles)
 
 
+def pure_linear(config: ModelConfig) -> ModelConfig:
+  """The floor of every report: the same model with window 0 and no exact
+  tail (score it with mode='prefill')."""
+  return config.replace(attention={'window': 0, 'exact_tail': 0})
+
+
 def scoring_layout(batch: dict, config: ModelConfig, mode: str
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(weights, boundary [B], end [B]) of the scored positions of `batch`.

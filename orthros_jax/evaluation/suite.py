@@ -62,10 +62,6 @@ def _load(path: str, step: int | None = None) -> tuple[ModelConfig, dict,
   return model_config_from(config), params, step
 
 
-def pure_linear(config: ModelConfig) -> ModelConfig:
-  return config.replace(attention={'window': 0, 'exact_tail': 0})
-
-
 def load_models(config) -> tuple[dict, dict]:
   """({name: (config, params, path)}, descriptions) of config.models."""
   if not config.get('checkpoint'):
@@ -106,7 +102,7 @@ def load_models(config) -> tuple[dict, dict]:
   if 'orthros' in names:
     models['orthros'] = (student, params, 'generate')
   if 'linear' in names:
-    models['linear'] = (pure_linear(student), params, 'prefill')
+    models['linear'] = (inference.pure_linear(student), params, 'prefill')
   return models, {k: desc[k] for k in models}
 
 
