@@ -16,6 +16,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from orthros_jax import sharding
 from orthros_jax.evaluation.suite import run
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
@@ -23,11 +24,16 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
 _OUT = flags.DEFINE_string('out', None, 'Output dir (default '
                            'results/<config.name>).')
 flags.mark_flags_as_required(['config'])
+_DISTRIBUTED = flags.DEFINE_enum(
+    'distributed', 'auto', ['auto', 'on', 'off'],
+    'jax.distributed.initialize() for a multi-process run: auto = on a '
+    'multi-host TPU slice or when JAX_COORDINATOR_ADDRESS is set.')
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  sharding.initialize_distributed(_DISTRIBUTED.value)
   config = _CONFIG.value
   run(config, _OUT.value or os.path.join('results', config.name))
 

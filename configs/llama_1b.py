@@ -6,8 +6,10 @@
 
 Set model.vocab_size to the tokenizer's vocabulary (128256 for Llama 3) and
 `--config.model.attention.kind=orthros` for an Orthros model trained with the
-phase-aware objective from scratch. Sharding over meshes comes with the
-sharding work; as written this runs data-local on one host.
+phase-aware objective from scratch. By default every device is one FSDP
+shard (params, gradients and Adam state split 1/N per device); on a TPU
+v5e-16 slice, say, --config.mesh.shape.fsdp=8 --config.mesh.shape.tensor=2.
+The same command runs on every host of a pod slice (see README, At scale).
 """
 
 import ml_collections
@@ -29,4 +31,5 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.train = dict(num_steps=100_000, learning_rate=3e-4, warmup_steps=2000,
                  weight_decay=0.1, split_mode='random', log_every=100,
                  eval_every=0, checkpoint_every=1000, keep_checkpoints=3)
+  c.mesh = dict(shape=dict(data=1, fsdp=-1, tensor=1, sequence=1), rules=())
   return c

@@ -3,18 +3,27 @@
   python train.py --config=configs/tiny.py --workdir=/tmp/tiny
   python train.py --config=configs/tiny.py:smoke --workdir=/tmp/tiny_smoke
 
-`arg` 'smoke' shrinks everything to a few steps (tests, quick checks);
-'niah' adds the needle-in-a-haystack task (a needle in Python's own
-documentation prose) to the mix. The committed demo teacher
-(assets/tiny_teacher) is 2000 steps of the default mix continued to 2800
-steps with 'niah' (commands in assets/tiny_teacher/README.md).
+`arg` is a comma-separated list of options: 'smoke' shrinks everything to a
+few steps (tests, quick checks); 'niah' adds the needle-in-a-haystack task (a
+needle in Python's own documentation prose) to the mix; 'varlen' draws the
+passkey and needle prompts at uniform lengths in [256, seq_len] instead of
+all at seq_len (so the model sees more than one context length). The
+committed demo teacher (assets/tiny_teacher) is 2000 steps of the default mix
+continued with 'niah' and then 'niah,varlen' (commands in
+assets/tiny_teacher/README.md).
 """
 
 import ml_collections
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
-  smoke = arg == 'smoke'
+  options = set(arg.split(',')) - {''}
+  unknown = options - {'smoke', 'niah', 'varlen'}
+  if unknown:
+    raise ValueError(f'configs/tiny.py: unknown option(s) {sorted(unknown)} in '
+                     f"{arg!r} (expected a comma-separated subset of 'smoke', "
+                     "'niah', 'varlen')")
+  smoke = 'smoke' in options
   c = ml_collections.ConfigDict()
   c.model = dict(
       vocab_size=259, num_layers=2 if smoke else 4,
@@ -25,13 +34,15 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   seq_len = 96 if smoke else 384
   tasks = {'mqar': 1.0} if smoke else {'passkey': 1.0, 'mqar': 1.0,
                                        'filler': 0.5}
-  if arg == 'niah':
+  if 'niah' in options:
     tasks = dict(tasks, niah=1.0)
-  elif arg not in ('', 'smoke'):
-    raise ValueError(f"configs/tiny.py: unknown arg {arg!r} (expected '', "
-                     "'smoke' or 'niah')")
+  task_options = {}
+  if 'varlen' in options:
+    task_options = {t: {'min_tokens': min(256, seq_len)}
+                    for t in ('passkey', 'niah') if t in tasks}
   c.data = dict(source='synthetic', seq_len=seq_len,
-                batch_size=4 if smoke else 16, seed=0, tasks=tasks)
+                batch_size=4 if smoke else 16, seed=0, tasks=tasks,
+                task_options=task_options)
   c.eval_data = dict(source='synthetic', seq_len=seq_len,
                      batch_size=4 if smoke else 16, seed=1, tasks=tasks,
                      num_examples=8 if smoke else 128, num_epochs=1)
@@ -42,4 +53,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                  split_mode='prompt', log_every=1 if smoke else 50,
                  eval_every=0 if smoke else 500,
                  checkpoint_every=2 if smoke else 500, progress=not smoke)
+  # Device mesh (orthros_jax/sharding.py): all 1 = one device. Scale out
+  # from the command line, e.g. --config.mesh.shape.data=-1 (every device,
+  # data parallel) or --config.mesh.shape.fsdp=4 --config.mesh.shape.tensor=2.
+  c.mesh = dict(shape=dict(data=1, fsdp=1, tensor=1, sequence=1), rules=())
   return c

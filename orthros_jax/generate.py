@@ -9,6 +9,7 @@ token is produced by exact attention over the whole prompt.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Sequence
@@ -156,7 +157,7 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
              top_k: int | None = None, top_p: float | None = None,
              eos_id: int | None = None, pad_id: int = 0,
              exact_tail: int | None = None, lengths=None,
-             cache_dtype=None) -> GenerateOutput:
+             cache_dtype=None, partitioner=None) -> GenerateOutput:
   """Generates continuations of a batch of (ragged) prompts.
 
   Args:
@@ -170,6 +171,11 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
     eos_id: stop a sequence after it emits this token.
     exact_tail: prompt tokens decoded exactly (Orthros only); default
       config.attention.exact_tail; capped at the shortest prompt.
+    partitioner: a sharding.Partitioner to run on its mesh (params placed
+      with `partitioner.shard_params`): the cache is split by batch, kv
+      heads and, with a 'sequence' axis, by position (max_len is rounded up
+      to a multiple of that axis; prefill and decode are then context
+      parallel).
   """
   tokens, prompt_lengths = pad_prompts(prompts, pad_id)
   if lengths is not None:
@@ -199,21 +205,31 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
     tail = min(tail, int(prompt_lengths.min()))
   boundary = prompt_lengths - tail
 
+  context = contextlib.nullcontext()
+  if partitioner is not None:
+    seq = partitioner.sequence_axis
+    if seq is not None:
+      n = partitioner.mesh.shape[seq]
+      max_len = -(-max_len // n) * n
+    context = partitioner.activate()
   cache = init_cache(config, b, max_len, cache_dtype)
-  logits, cache = prefill(config, params, jnp.asarray(tokens),
-                          jnp.asarray(boundary), cache)
-  if tail:
-    idx = boundary[:, None] + np.arange(tail)[None, :]
-    tail_tokens = np.take_along_axis(tokens, idx, axis=1)
-    tail_logits, cache = decode(config, params, jnp.asarray(tail_tokens),
-                                cache)
-    logits = tail_logits[:, -1]
-  rng = jax.random.PRNGKey(0) if rng is None else rng
-  out, _, cache = decode_loop(
-      config, params, logits, cache, rng, max_new_tokens=max_new_tokens,
-      temperature=float(temperature), top_k=top_k,
-      top_p=None if top_p is None else float(top_p), eos_id=eos_id,
-      pad_id=pad_id)
+  if partitioner is not None:
+    cache = partitioner.shard_cache(cache)
+  with context:
+    logits, cache = prefill(config, params, jnp.asarray(tokens),
+                            jnp.asarray(boundary), cache)
+    if tail:
+      idx = boundary[:, None] + np.arange(tail)[None, :]
+      tail_tokens = np.take_along_axis(tokens, idx, axis=1)
+      tail_logits, cache = decode(config, params, jnp.asarray(tail_tokens),
+                                  cache)
+      logits = tail_logits[:, -1]
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    out, _, cache = decode_loop(
+        config, params, logits, cache, rng, max_new_tokens=max_new_tokens,
+        temperature=float(temperature), top_k=top_k,
+        top_p=None if top_p is None else float(top_p), eos_id=eos_id,
+        pad_id=pad_id)
   out = np.asarray(out)
   if eos_id is None:
     gen_lengths = np.full((b,), max_new_tokens, np.int32)

@@ -13,10 +13,16 @@ phase='decode'   T_q >= 1 new tokens with exact attention over the cache;
                  appends them and folds the tokens leaving the window into the
                  linear state.
 Parameters and activations carry logical axis names (batch, length, embed,
-heads, kv_heads, head_dim, mlp, vocab, features) for sharding rules.
+heads, kv_heads, head_dim, mlp, vocab, features) for sharding rules. Inside
+`Partitioner.activate()` (orthros_jax/sharding.py) the Pallas kernels run
+in `shard_map` over batch and heads, and with a 'sequence' mesh axis larger
+than 1 prefill and decode use the context-parallel attention
+(attention/context_parallel.py) over a position-sharded KV cache.
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -26,6 +32,8 @@ import numpy as np
 from orthros_jax import attention as attn_lib
 from orthros_jax import cache as cache_lib
 from orthros_jax import rope
+from orthros_jax import sharding
+from orthros_jax.attention import context_parallel
 from orthros_jax.attention import dispatch
 from orthros_jax.config import ModelConfig
 from orthros_jax.config import inverse_sigmoid
@@ -75,6 +83,45 @@ class Mlp(nn.Module):
     return dense(cfg.embed_dim, ('mlp', 'embed'), 'down_proj')(h)
 
 
+class HeadDense(nn.Module):
+  """nn.DenseGeneral for the attention projections (same params, init and
+  math), with the logical axes on the full-rank kernel: [E, heads, D] for
+  q/k/v, [H, D, E] for o. DenseGeneral boxes its flattened 2-D kernel, which
+  breaks flax's shape check under active sharding rules.
+
+  features: output dims; in_dims: trailing input dims contracted.
+  """
+  features: tuple[int, ...]
+  in_dims: int
+  kernel_axes: tuple[str, ...]
+  use_bias: bool
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    n = self.in_dims
+    in_shape = x.shape[x.ndim - n:]
+    fan = (int(np.prod(in_shape)), int(np.prod(self.features)))
+
+    def kernel_init(rng, shape, dtype):
+      # lecun_normal on the flattened [fan_in, fan_out] kernel, as
+      # DenseGeneral does.
+      return nn.initializers.lecun_normal()(rng, fan, dtype).reshape(shape)
+
+    kernel = self.param('kernel', _partitioned(kernel_init, self.kernel_axes),
+                        in_shape + tuple(self.features), self.param_dtype)
+    x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+    dims = (tuple(range(x.ndim - n, x.ndim)), tuple(range(n)))
+    y = jax.lax.dot_general(x, kernel, (dims, ((), ())))
+    if self.use_bias:
+      bias = self.param('bias', _partitioned(nn.initializers.zeros,
+                                             self.kernel_axes[n:]),
+                        tuple(self.features), self.param_dtype)
+      y = y + bias.astype(self.dtype)
+    return y
+
+
 class Attention(nn.Module):
   """One attention module for all phases (GQA, RoPE, optional biases)."""
   config: ModelConfig
@@ -84,11 +131,8 @@ class Attention(nn.Module):
     h, k, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.embed_dim
 
     def proj(heads, axes, bias, name):
-      return nn.DenseGeneral(
-          (heads, d), use_bias=bias, dtype=cfg.dtype,
-          param_dtype=cfg.param_dtype,
-          kernel_init=_partitioned(nn.initializers.lecun_normal(), axes),
-          bias_init=_partitioned(nn.initializers.zeros, axes[1:]), name=name)
+      return HeadDense((heads, d), 1, axes, bias, cfg.dtype,
+                       cfg.param_dtype, name=name)
 
     self.q_proj = proj(h, ('embed', 'heads', 'head_dim'), cfg.qkv_bias,
                        'q_proj')
@@ -96,13 +140,9 @@ class Attention(nn.Module):
                        'k_proj')
     self.v_proj = proj(k, ('embed', 'kv_heads', 'head_dim'), cfg.qkv_bias,
                        'v_proj')
-    self.o_proj = nn.DenseGeneral(
-        e, axis=(-2, -1), use_bias=cfg.out_bias, dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        kernel_init=_partitioned(nn.initializers.lecun_normal(),
-                                 ('heads', 'head_dim', 'embed')),
-        bias_init=_partitioned(nn.initializers.zeros, ('embed',)),
-        name='o_proj')
+    self.o_proj = HeadDense((e,), 2, ('heads', 'head_dim', 'embed'),
+                            cfg.out_bias, cfg.dtype, cfg.param_dtype,
+                            name='o_proj')
     self.inv_freq = rope.inverse_frequencies(cfg)
     if cfg.is_orthros:
       a = cfg.attention
@@ -138,14 +178,47 @@ class Attention(nn.Module):
                                          'head_dim'))
     return self.o_proj(y), new_cache
 
-  def _prefill_fn(self):
-    a = self.config.attention
-    return dispatch.prefill_impl(a.impl, chunk_size=a.chunk_size)
+  def _mesh_axes(self, batch: int):
+    """(partitioner, batch axes, head axes, sequence axis) of the active
+    partitioner, axes that do not divide the sizes dropped; None outside
+    one."""
+    part = sharding.current()
+    if part is None:
+      return None
+    fits = lambda axes, n: axes if n % part.axis_size(axes) == 0 else None
+    return (part, fits(part.batch_axes, batch),
+            fits(part.head_axes, self.config.num_kv_heads),
+            part.sequence_axis)
 
-  def _decode_fn(self, num_tokens: int):
-    return dispatch.decode_impl(
+  def _prefill_fn(self, batch: int, *, local: bool = False):
+    a = self.config.attention
+    fn = dispatch.prefill_impl(a.impl, chunk_size=a.chunk_size)
+    axes = self._mesh_axes(batch)
+    if (axes is None or local or fn in dispatch.XLA_IMPLS or
+        fn in dispatch.NONE_IMPLS):
+      return fn
+    from pallas_kernels.sharded import sharded_linear_prefill
+    part, batch_axes, head_axes, _ = axes
+    return functools.partial(sharded_linear_prefill, part.mesh,
+                             batch_axis=batch_axes, head_axis=head_axes)
+
+  def _decode_fn(self, num_tokens: int, batch: int):
+    fn = dispatch.decode_impl(
         self.config.attention.impl, head_dim=self.config.head_dim,
         query_rows=self.config.num_groups * num_tokens)
+    axes = self._mesh_axes(batch)
+    if axes is None or fn in dispatch.NONE_IMPLS:
+      return fn
+    part, batch_axes, head_axes, seq_axis = axes
+    if seq_axis is not None:
+      return functools.partial(context_parallel.decode, mesh=part.mesh,
+                               seq_axis=seq_axis, batch_axes=batch_axes,
+                               head_axes=head_axes)
+    if fn in dispatch.XLA_IMPLS:
+      return fn
+    from pallas_kernels.sharded import sharded_flash_decode
+    return functools.partial(sharded_flash_decode, part.mesh,
+                             batch_axis=batch_axes, head_axis=head_axes)
 
   def _orthros_inputs(self, q, k):
     gamma = jax.nn.sigmoid(self.window_logit.astype(jnp.float32))
@@ -158,7 +231,7 @@ class Attention(nn.Module):
       return exact_fn(q, k, v, causal=True)
     a = cfg.attention
     phi_q, phi_k, gamma = self._orthros_inputs(q, k)
-    y, _ = self._prefill_fn()(
+    y, _ = self._prefill_fn(q.shape[0])(
         q, k, v, phi_q, phi_k, gamma, window=a.window, chunk_size=a.chunk_size)
     if split is None:
       return y
@@ -178,7 +251,7 @@ class Attention(nn.Module):
     if not cfg.is_orthros:
       # Query t of example b sits at start[b] + t, as `decode_attention`
       # places the last T of start + T keys.
-      y = self._decode_fn(t)(q, k_cache, v_cache, start + t)
+      y = self._decode_fn(t, b)(q, k_cache, v_cache, start + t)
       return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     a = cfg.attention
     phi_q, phi_k, gamma = self._orthros_inputs(q, k)
@@ -188,7 +261,19 @@ class Attention(nn.Module):
       pos = start[:, None] - a.window + jnp.arange(a.window)[None, :]
       pk, pv = cache_lib.gather_kv(cache.k, cache.v, pos)
       prefix = attn_lib.WindowPrefix(pk, pv, self.key_features(pk), pos >= 0)
-    y, state = self._prefill_fn()(
+    fn = self._prefill_fn(b)
+    axes = self._mesh_axes(b)
+    if (axes is not None and axes[3] is not None and
+        fn not in dispatch.NONE_IMPLS and
+        -(-t // axes[0].mesh.shape[axes[3]]) >= a.window):
+      # Context parallel; a prompt too short to give every shard a window
+      # of tokens (a short chat turn) takes the ordinary path.
+      part, batch_axes, head_axes, seq_axis = axes
+      fn = functools.partial(
+          context_parallel.prefill, mesh=part.mesh, seq_axis=seq_axis,
+          batch_axes=batch_axes, head_axes=head_axes,
+          local_prefill=self._prefill_fn(b, local=True))
+    y, state = fn(
         q, k, v, phi_q, phi_k, gamma, window=a.window,
         chunk_size=a.chunk_size, lengths=lengths,
         initial_state=attn_lib.LinearState(cache.S, cache.z), prefix=prefix)
@@ -201,7 +286,7 @@ class Attention(nn.Module):
     k_cache, v_cache = cache_lib.write_kv(cache, k, v,
                                           jnp.ones((b, t), bool))
     new_lengths = cache.lengths + t
-    y = self._decode_fn(t)(q, k_cache, v_cache, new_lengths)
+    y = self._decode_fn(t, b)(q, k_cache, v_cache, new_lengths)
     new_cache = cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     if cfg.is_orthros:
       # Tokens at old_len - W + i leave the window; fold them into (S, z).

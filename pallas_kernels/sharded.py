@@ -18,30 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 from orthros_jax.attention.orthros import LinearState
 from orthros_jax.attention.orthros import WindowPrefix
+from orthros_jax.sharding import check_divisible
 from pallas_kernels.flash_decode import flash_decode
 from pallas_kernels.linear_prefill import linear_prefill
 
 Array = jax.Array
 Axis = str | tuple[str, ...] | None
-
-
-def _axis_size(mesh: Mesh, axis: Axis) -> int:
-  if axis is None:
-    return 1
-  names = (axis,) if isinstance(axis, str) else axis
-  size = 1
-  for name in names:
-    size *= mesh.shape[name]
-  return size
-
-
-def _check(mesh, batch_axis, head_axis, batch, kv_heads):
-  if batch % _axis_size(mesh, batch_axis):
-    raise ValueError(f'batch {batch} is not divisible by mesh axis '
-                     f'{batch_axis!r} of size {_axis_size(mesh, batch_axis)}')
-  if kv_heads % _axis_size(mesh, head_axis):
-    raise ValueError(f'kv heads {kv_heads} are not divisible by mesh axis '
-                     f'{head_axis!r} of size {_axis_size(mesh, head_axis)}')
 
 
 def sharded_linear_prefill(mesh: Mesh, q: Array, k: Array, v: Array,
@@ -57,7 +39,7 @@ def sharded_linear_prefill(mesh: Mesh, q: Array, k: Array, v: Array,
                            ) -> tuple[Array, LinearState]:
   """`linear_prefill` with batch split over `batch_axis` and heads over
   `head_axis` of `mesh`."""
-  _check(mesh, batch_axis, head_axis, q.shape[0], k.shape[2])
+  check_divisible(mesh, batch_axis, head_axis, q.shape[0], k.shape[2])
   seq = P(batch_axis, None, head_axis, None)       # [B, T, H|K, X]
   state_spec = LinearState(P(batch_axis, head_axis, None, None),
                            P(batch_axis, head_axis, None))
@@ -87,7 +69,7 @@ def sharded_flash_decode(mesh: Mesh, q: Array, k_cache: Array, v_cache: Array,
                          max_split: int = 512) -> Array:
   """`flash_decode` with batch split over `batch_axis` and heads over
   `head_axis` of `mesh`."""
-  _check(mesh, batch_axis, head_axis, q.shape[0], k_cache.shape[2])
+  check_divisible(mesh, batch_axis, head_axis, q.shape[0], k_cache.shape[2])
   seq = P(batch_axis, None, head_axis, None)
   kernel = functools.partial(flash_decode, interpret=interpret,
                              platform=platform, max_split=max_split)

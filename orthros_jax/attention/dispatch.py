@@ -54,6 +54,12 @@ def _no_attention(q, *unused_args, **unused_kwargs):
   return q
 
 
+# The XLA functions and the impl='none' stand-ins (sharded models wrap only
+# the Pallas kernels in shard_map; XLA partitions the rest itself).
+XLA_IMPLS = (orthros_prefill, decode_attention, softmax_attention)
+NONE_IMPLS = (_no_prefill, _no_attention)
+
+
 def _backend() -> str:
   return jax.default_backend()
 

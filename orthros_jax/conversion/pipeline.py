@@ -26,6 +26,9 @@ The config (configs/convert_tiny.py documents every field):
              lora_rank (0 = full finetune), lora_alpha, kl_weight
   eval:      seq_len, batch_size, seed, num_examples, sets (name -> dataset
              overrides), modes
+  mesh:      optional device mesh (orthros_jax/sharding.py): shape (axis ->
+             size, one -1) and rules; the teacher is placed sharded and both
+             stages run data / FSDP / tensor parallel on it.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from orthros_jax import sharding
 from orthros_jax.checkpoints.hf import load_hf
 from orthros_jax.config import AttentionConfig
 from orthros_jax.config import ModelConfig
@@ -347,8 +351,11 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   tokenizer = get_tokenizer(data_cfg.get('tokenizer', 'byte'))
   attention = orthros_attention(config.attention)
 
+  partitioner = sharding.Partitioner.from_config(config.get('mesh'))
   teacher, teacher_params, teacher_info = load_teacher(config.teacher)
   student = orthros_config(teacher, attention)
+  if partitioner is not None:
+    teacher_params = partitioner.shard_params(teacher_params, teacher)
   if tokenizer.vocab_size > teacher.vocab_size:
     raise ValueError(f'the tokenizer has {tokenizer.vocab_size} ids but the '
                      f'teacher only {teacher.vocab_size}: use the teacher\'s '
@@ -365,7 +372,9 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   state1, hist1 = loop.train(
       s1_cfg, stage1_dir, student, student_init,
       make_data(data_cfg, teacher.vocab_size),
-      train_step=step_lib.make_objective_step(objective1))
+      train_step=step_lib.make_objective_step(objective1,
+                                              partitioner=partitioner),
+      partitioner=partitioner)
   params1 = state1.params
   mse_after = float(mse(params1))
   logging.info('stage 1: held-out transfer MSE %.4g -> %.4g', mse_before,
@@ -388,7 +397,9 @@ def convert(config, workdir: str | os.PathLike) -> dict:
       s2_cfg, stage2_dir, student, stage2_init,
       make_data(dict(data_cfg, seed=int(data_cfg['seed']) + 1),
                 teacher.vocab_size),
-      train_step=step_lib.make_objective_step(objective2))
+      train_step=step_lib.make_objective_step(objective2,
+                                              partitioner=partitioner),
+      partitioner=partitioner)
   final = merge_lora(state2.params['base'], state2.params['lora'],
                      alpha=alpha)
   total_steps = s1_cfg.num_steps + s2_cfg.num_steps

@@ -29,10 +29,12 @@ Tasks:
   the Python documentation bundled with the interpreter, so nothing is
   downloaded). Consecutive haystack sentences from a random start, the needle
   sentence "The special magic number for K is: V." at a sentence boundary at
-  `depth`, then " What is the special magic number for K mentioned in the
-  provided text? The special magic number for K mentioned in the provided text
-  is"; the answer is " V". K is an adjective-noun pair ("green-river"), V a
-  random 7-digit number. The evaluation task of the same name
+  `depth`, then " What is the special magic number for K? The special magic
+  number for K is:"; the answer is " V". K is an adjective-noun pair
+  ("green-river"), V a random 7-digit number. Like the passkey template (and
+  unlike RULER's, whose answer prefix paraphrases the needle: see the
+  niah_* tasks in orthros_jax/evaluation/tasks.py), the answer prefix repeats
+  the needle's own words, so a small model can retrieve by matching them. The evaluation task of the same name
   (orthros_jax/evaluation/tasks.py) uses the same template (`niah_parts`).
 
 The haystack helpers (`haystack_text`, `haystack_sentences`, `fill_sentences`,
@@ -169,9 +171,8 @@ def filler(rng: np.random.Generator, tokenizer: Tokenizer, max_tokens: int, *,
 # ------------------------------------------------------- needle in a haystack
 
 NIAH_NEEDLE = ' The special magic number for {key} is: {value}.'
-NIAH_QUESTION = (' What is the special magic number for {key} mentioned in the '
-                 'provided text? The special magic number for {key} mentioned '
-                 'in the provided text is')
+NIAH_QUESTION = (' What is the special magic number for {key}? The special magic '
+                 'number for {key} is:')
 NIAH_ANSWER = ' {value}'
 KEY_ADJECTIVES = (
     'amber bold brave bright calm clever cold crimson dusty eager faint fancy '
@@ -342,7 +343,7 @@ def niah(rng: np.random.Generator, tokenizer: Tokenizer, max_tokens: int, *,
   [0, 1] places the needle (0 = before the first haystack sentence, 1 = right
   before the question); None draws it uniformly. The prompt is
   `niah_parts(...).prompt`; raises ValueError when the target length cannot
-  hold the needle, question and answer (about 220 byte tokens).
+  hold the needle, question and answer (about 160 byte tokens).
   """
   target = _target_length(rng, max_tokens, min_tokens)
   parts = niah_parts(rng, tokenizer, target, depth)

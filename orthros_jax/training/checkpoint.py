@@ -195,16 +195,23 @@ class CheckpointManager:
 
 def restore_or_init(manager: CheckpointManager,
                     init_fn: Callable[[], TrainState],
-                    data_iterator=None) -> tuple[TrainState, int | None]:
+                    data_iterator=None, shardings=None
+                    ) -> tuple[TrainState, int | None]:
   """(state, restored step) from the latest checkpoint, else (init_fn(), None).
 
   `init_fn` is traced with jax.eval_shape for the restore target and only
-  run when there is nothing to restore.
+  run when there is nothing to restore. `shardings` (a tree of
+  NamedShardings like the state) restores each array straight into its
+  shards (orbax reads only what each process owns).
   """
   step = manager.latest_step()
   if step is None:
     return init_fn(), None
   abstract = jax.eval_shape(init_fn)
+  if shardings is not None:
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract, shardings)
   return manager.restore(abstract, step, data_iterator), step
 
 

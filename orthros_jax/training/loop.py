@@ -104,7 +104,7 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
           data_iterator, *, train_step: Callable | None = None,
           optimizer: optax.GradientTransformation | None = None,
           eval_fn: Callable[[TrainState, int], Mapping[str, float]] | None
-          = None) -> tuple[TrainState, list[dict]]:
+          = None, partitioner=None) -> tuple[TrainState, list[dict]]:
   """Trains for `config.num_steps` steps, resuming from `workdir` if it holds
   a checkpoint. Returns (final state, history: one dict of metrics per step
   run in this call).
@@ -116,6 +116,10 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
   train_step: default `make_train_step(model_config, split_mode=...)`.
   optimizer: default AdamW from `config` (make_optimizer).
   eval_fn: (state, step) -> scalars, logged with an 'eval/' prefix.
+  partitioner: a sharding.Partitioner: the state is initialized (or
+    restored) directly sharded, params and Adam moments like the model's
+    params under its rules, and the default train step runs on its mesh
+    (a custom `train_step` must be built with the same partitioner).
 
   Raises FloatingPointError when a step's loss or gradient norm is not
   finite; nothing is saved for that step, so the last good checkpoint stays.
@@ -125,7 +129,7 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
   workdir = os.fspath(workdir)
   tx = optimizer or make_optimizer(config)
   train_step = train_step or step_lib.make_train_step(
-      model_config, split_mode=config.split_mode)
+      model_config, split_mode=config.split_mode, partitioner=partitioner)
   if not hasattr(data_iterator, '__next__'):
     data_iterator = iter(data_iterator)
 
@@ -134,8 +138,15 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
       max_to_keep=config.keep_checkpoints,
       save_interval_steps=config.checkpoint_every, model_config=model_config,
       async_save=config.async_checkpoint)
+  init = state_lib.init_fn(params_init, tx)
+  shardings = None
+  if partitioner is not None:
+    abstract = jax.eval_shape(init)
+    shardings = partitioner.state_shardings(
+        abstract, partitioner.model_param_shardings(model_config))
+    init = _jit_with_mesh(init, partitioner, shardings)
   state, restored = ckpt_lib.restore_or_init(
-      manager, state_lib.init_fn(params_init, tx), data_iterator)
+      manager, init, data_iterator, shardings)
   start = restored or 0
   if restored is not None:
     logging.info('resumed from %s at step %d', manager.directory, start)
@@ -185,6 +196,11 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
     writer.close()
     manager.close()
   return state, history
+
+
+def _jit_with_mesh(init, partitioner, shardings):
+  del partitioner  # the out_shardings place the state; no rules needed
+  return jax.jit(init, out_shardings=shardings)
 
 
 def _log(writer, bar, step: int, window: list[dict]) -> None:

@@ -10,6 +10,13 @@ t < P prefill formula, t >= P exact softmax), chosen by `split_mode`:
   'random': P uniform in [0, T] per example, drawn from the step's rng;
   'none':   no split, prefill formula everywhere.
 Dense models ignore `split_mode`.
+
+With a `Partitioner` (orthros_jax/sharding.py) the steps take process-local
+numpy batches, split them over the mesh's batch axes
+(`make_array_from_process_local_data`, so each host feeds its own rows), and
+run jitted with the state's own shardings in and out inside
+`partitioner.activate()`: data, FSDP, tensor and mixed parallelism come from
+the mesh and the rules alone.
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ Objective = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
 
 
 def make_train_step(config: ModelConfig, *, split_mode: str = 'prompt',
-                    loss_fn: LossFn | None = None, donate: bool = True
+                    loss_fn: LossFn | None = None, donate: bool = True,
+                    partitioner=None
                     ) -> Callable[[TrainState, dict, jax.Array],
                                   tuple[TrainState, dict]]:
   """A jitted `(state, batch, rng) -> (state, metrics)`; the state is donated.
@@ -73,10 +81,12 @@ def make_train_step(config: ModelConfig, *, split_mode: str = 'prompt',
   loss_fn = loss_fn or loss_lib.next_token_loss
   return make_objective_step(
       lambda p, batch, rng: _forward_loss(config, split_mode, loss_fn, p,
-                                          batch, rng), donate=donate)
+                                          batch, rng), donate=donate,
+      partitioner=partitioner)
 
 
-def make_objective_step(objective: Objective, *, donate: bool = True
+def make_objective_step(objective: Objective, *, donate: bool = True,
+                        partitioner=None
                         ) -> Callable[[TrainState, dict, jax.Array],
                                       tuple[TrainState, dict]]:
   """The train step for any `objective(params, batch, rng) -> (loss,
@@ -96,11 +106,41 @@ def make_objective_step(objective: Objective, *, donate: bool = True
     return new_state, dict(metrics, loss=loss, grad_norm=grad_norm,
                            finite=finite)
 
+  if partitioner is not None:
+    return ShardedStep(step, partitioner, donate=donate)
   return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
+class ShardedStep:
+  """`fn(first, batch, rng) -> (first', metrics)` or `-> metrics`, jitted on
+  the mesh: `first` (a train state or params) keeps its shardings in and
+  out, the batch is split over the batch axes, metrics are replicated.
+  Compiled at the first call, when the shardings are known."""
+
+  def __init__(self, fn, partitioner, *, donate: bool = True,
+               returns_first: bool = True):
+    self.fn, self.partitioner = fn, partitioner
+    self.donate, self.returns_first = donate, returns_first
+    self._jitted = None
+
+  def __call__(self, first, batch, rng):
+    part = self.partitioner
+    batch = part.shard_batch(batch)
+    if self._jitted is None:
+      first_sh = jax.tree.map(lambda x: x.sharding, first)
+      batch_sh = jax.tree.map(lambda x: x.sharding, batch)
+      out = (first_sh, part.replicated) if self.returns_first else (
+          part.replicated)
+      self._jitted = jax.jit(
+          self.fn, in_shardings=(first_sh, batch_sh, part.replicated),
+          out_shardings=out,
+          donate_argnums=(0,) if self.donate and self.returns_first else ())
+    with part.activate():
+      return self._jitted(first, batch, rng)
+
+
 def make_eval_step(config: ModelConfig, *, split_mode: str = 'prompt',
-                   loss_fn: LossFn | None = None
+                   loss_fn: LossFn | None = None, partitioner=None
                    ) -> Callable[[Any, dict, jax.Array], dict]:
   """A jitted `(params, batch, rng) -> metrics` with no update."""
   _check_split_mode(split_mode)
@@ -110,6 +150,8 @@ def make_eval_step(config: ModelConfig, *, split_mode: str = 'prompt',
     _, metrics = _forward_loss(config, split_mode, loss_fn, params, batch, rng)
     return metrics
 
+  if partitioner is not None:
+    return ShardedStep(step, partitioner, donate=False, returns_first=False)
   return jax.jit(step)
 
 

@@ -8,6 +8,11 @@ The config (an ml_collections.ConfigDict, see configs/) has four parts:
   eval_data: the same for a held-out set (a different seed, a fixed
              num_examples), or None; eval_batches: how many batches to score.
   train:     TrainConfig fields (steps, learning rate, split mode, ...).
+  mesh:      optional device mesh (orthros_jax/sharding.py): shape (axis ->
+             size for data, fsdp, tensor, sequence; one may be -1) and
+             rules (logical axis -> mesh axes; empty = DEFAULT_RULES).
+             Params and optimizer state are initialized (or restored)
+             directly sharded, and every step runs on the mesh.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from orthros_jax import sharding
 from orthros_jax.config import AttentionConfig
 from orthros_jax.config import ModelConfig
 from orthros_jax.config import RopeScaling
@@ -75,6 +81,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike):
   workdir = os.fspath(workdir)
   model_config = model_config_from(config.model)
   train_cfg = loop.TrainConfig.from_mapping(_plain(config.train))
+  partitioner = sharding.Partitioner.from_config(config.get('mesh'))
   data = make_data(config.data, model_config.vocab_size)
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, 'config.json'), 'w') as f:
@@ -92,7 +99,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike):
   eval_data = config.get('eval_data')
   if eval_data:
     eval_step = step_lib.make_eval_step(model_config,
-                                        split_mode=train_cfg.split_mode)
+                                        split_mode=train_cfg.split_mode,
+                                        partitioner=partitioner)
     num_batches = int(config.get('eval_batches', 8))
 
     def eval_fn(state, step):
@@ -103,4 +111,4 @@ def train_and_evaluate(config, workdir: str | os.PathLike):
       return step_lib.evaluate(eval_step, state.params, batches)
 
   return loop.train(train_cfg, workdir, model_config, params_init, data,
-                    eval_fn=eval_fn)
+                    eval_fn=eval_fn, partitioner=partitioner)
