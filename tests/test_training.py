@@ -173,6 +173,14 @@ def test_split_modes():
                                                   0))
   split = tr.step.make_split(config, 'random', batch, jax.random.PRNGKey(3))
   assert split.shape == (B,) and bool(jnp.all((split >= 0) & (split <= T)))
+  mixed = dict(batch, prompt_lengths=np.where(
+      np.arange(B) % 2 == 0, batch['prompt_lengths'], 0).astype(np.int32))
+  split = tr.step.make_split(config, 'prompt_or_random', mixed,
+                             jax.random.PRNGKey(3))
+  rand = tr.step.make_split(config, 'random', mixed, jax.random.PRNGKey(3))
+  np.testing.assert_array_equal(
+      split, np.where(mixed['prompt_lengths'] > 0,
+                      np.maximum(mixed['prompt_lengths'] - 1, 0), rand))
   assert tr.step.make_split(config, 'none', batch, None) is None
   assert tr.step.make_split(tiny_config(), 'random', batch, None) is None
   with pytest.raises(ValueError, match='split_mode'):

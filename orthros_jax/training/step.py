@@ -8,6 +8,9 @@ t < P prefill formula, t >= P exact softmax), chosen by `split_mode`:
   'prompt': P = max(prompt_lengths - exact_tail, 0), the boundary `generate`
             uses at inference (plain text, prompt 0, trains exact attention);
   'random': P uniform in [0, T] per example, drawn from the step's rng;
+  'prompt_or_random': 'prompt' for examples with a prompt, 'random' for
+            plain text (prompt length 0), so text also trains the prefill
+            formula;
   'none':   no split, prefill formula everywhere.
 Dense models ignore `split_mode`.
 
@@ -33,7 +36,7 @@ from orthros_jax.model import Transformer
 from orthros_jax.training import loss as loss_lib
 from orthros_jax.training.state import TrainState
 
-SPLIT_MODES = ('prompt', 'random', 'none')
+SPLIT_MODES = ('prompt', 'random', 'prompt_or_random', 'none')
 LossFn = Callable[[jax.Array, dict], tuple[jax.Array, dict]]
 
 
@@ -49,10 +52,14 @@ def make_split(config: ModelConfig, split_mode: str, batch, rng):
   if not config.is_orthros or split_mode == 'none':
     return None
   b, t = batch['inputs'].shape
+  p = jnp.asarray(batch['prompt_lengths'], jnp.int32)
+  at_prompt = jnp.maximum(p - config.attention.exact_tail, 0)
   if split_mode == 'prompt':
-    p = jnp.asarray(batch['prompt_lengths'], jnp.int32)
-    return jnp.maximum(p - config.attention.exact_tail, 0)
-  return jax.random.randint(rng, (b,), 0, t + 1, jnp.int32)
+    return at_prompt
+  random = jax.random.randint(rng, (b,), 0, t + 1, jnp.int32)
+  if split_mode == 'random':
+    return random
+  return jnp.where(p > 0, at_prompt, random)
 
 
 def _forward_loss(config, split_mode, loss_fn, params, batch, rng):
