@@ -158,9 +158,8 @@ def parse_niah(text):
   assert len(needles) == 1
   key, value = needles[0]
   question = re.fullmatch(
-      r'.* What is the special magic number for (\S+) mentioned in the '
-      r'provided text\? The special magic number for (\S+) mentioned in the '
-      r'provided text is', text, re.DOTALL)
+      r'.* What is the special magic number for ([a-z]+-[a-z]+)\? The special '
+      r'magic number for ([a-z]+-[a-z]+) is:', text, re.DOTALL)
   assert question and question.group(1) == question.group(2)
   return key, value, question.group(1)
 
