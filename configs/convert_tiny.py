@@ -23,7 +23,16 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # from the train.py workdir's config.json).
   c.teacher = dict(checkpoint='', hf_dir='', step=-1, train_tokens=0)
   # Orthros attention of the converted model (AttentionConfig fields).
-  c.attention = dict(kind='orthros', feature_map='hedgehog', feature_dim=16,
+  # feature_dim 64: hedgehog features [softmax(u), softmax(-u)] of a learned
+  # 64-wide projection u (F = 128). Near the identity initialisation every
+  # far token gets phi_q.phi_k of about 2/feature_dim, so at 384 tokens and
+  # 16 the linear part outweighs the 32-token window (gamma 0.1) more than
+  # 10x wherever the teacher attends locally. Measured on the demo teacher:
+  # held-out transfer MSE after stage 1 2.4x lower than before it with 16
+  # and 1x window_logit, 5.8x with 64 and the multiplier below; greedy
+  # passkey at 384 tokens 91.7% -> 96.7% after stage 2 (teacher 100%).
+  c.attention = dict(kind='orthros', feature_map='hedgehog',
+                     feature_dim=64 if not smoke else 16,
                      window=32 if not smoke else 8, chunk_size=32 if not smoke
                      else 8, exact_tail=1, window_init=0.1)
   seq_len = 96 if smoke else 384
@@ -34,8 +43,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.data = dict(source='synthetic', seq_len=seq_len, batch_size=batch,
                 seed=2, tasks=tasks, tokenizer='byte', task_options={})
   # Stage 1: attention transfer; only phi_q, phi_k, window_logit train.
+  # window_logit learns 30x faster: Adam moves a param about one learning
+  # rate per step, and gamma = sigmoid(window_logit) must go from its 0.1
+  # initialisation to about 0.9 (logit -2.2 -> 2.5) for the window to carry
+  # the share of attention the teacher gives it; at 1x it ends at 0.12.
   c.stage1 = dict(tokens=(4 if smoke else 40) * batch * seq_len,
-                  learning_rate=1e-2, warmup_steps=1 if smoke else 4,
+                  learning_rate=1e-2, lr_multipliers={'window_logit': 30.0},
+                  warmup_steps=1 if smoke else 4,
                   weight_decay=0.0, log_every=1 if smoke else 5,
                   checkpoint_every=2 if smoke else 20, progress=not smoke)
   # Stage 2: next-token loss on the answers with a per-example prefill/

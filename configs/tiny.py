@@ -57,4 +57,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # from the command line, e.g. --config.mesh.shape.data=-1 (every device,
   # data parallel) or --config.mesh.shape.fsdp=4 --config.mesh.shape.tensor=2.
   c.mesh = dict(shape=dict(data=1, fsdp=1, tensor=1, sequence=1), rules=())
+  # Warm start: params of another run (a train.py workdir or a params
+  # checkpoint such as assets/tiny_teacher) with the same model; the
+  # optimizer and learning-rate schedule start fresh. Only for a new
+  # workdir: one holding a checkpoint resumes from it.
+  c.init_from = ''
   return c

@@ -151,29 +151,38 @@ def test_passkey_template_and_depth():
   assert re.fullmatch(r'\d{3}', x.answers[0])
 
 
-def parse_niah(text):
-  """(key, value, question key, needle offset) of a decoded niah prompt."""
-  needles = re.findall(r'The special magic number for ([a-z]+-[a-z]+) is: '
-                       r'(\d{7})\.', text)
+def parse_niah(text, keyed=False):
+  """(key, value, question key) of a decoded niah prompt ('' keys when
+  not keyed)."""
+  key_re = r' for ([a-z]+-[a-z]+)' if keyed else r'()'
+  needles = re.findall(rf'The special magic number{key_re} is: (\d{{7}})\.',
+                       text)
   assert len(needles) == 1
   key, value = needles[0]
   question = re.fullmatch(
-      r'.* What is the special magic number for ([a-z]+-[a-z]+)\? The special '
-      r'magic number for ([a-z]+-[a-z]+) is:', text, re.DOTALL)
+      rf'.* What is the special magic number{key_re}\? The special '
+      rf'magic number{key_re} is:', text, re.DOTALL)
   assert question and question.group(1) == question.group(2)
   return key, value, question.group(1)
 
 
-def test_niah_template_and_depth():
+@pytest.mark.parametrize('keyed', [False, True])
+def test_niah_template_and_depth(keyed):
+  needle_t, question_t = ((synthetic.NIAH_NEEDLE_KEYED,
+                           synthetic.NIAH_QUESTION_KEYED) if keyed else
+                          (synthetic.NIAH_NEEDLE, synthetic.NIAH_QUESTION))
   for depth in (0.0, 0.1, 0.5, 0.9, 1.0):
-    x = tasks.niah(11, BYTE, 4000, depth=depth)
+    x = tasks.niah(11, BYTE, 4000, depth=depth, keyed=keyed)
     text = BYTE.decode(x.prompt)
-    key, value, asked = parse_niah(text)
+    key, value, asked = parse_niah(text, keyed)
     assert asked == key == x.meta['key'] and x.answers == (value,)
-    assert key.split('-')[0] in synthetic.KEY_ADJECTIVES
+    if keyed:
+      assert key.split('-')[0] in synthetic.KEY_ADJECTIVES
+    else:
+      assert key == ''
     assert BYTE.decode(x.target) == ' ' + value
-    needle = synthetic.NIAH_NEEDLE.format(key=key, value=value)
-    hay = text.index(synthetic.NIAH_QUESTION.format(key=key)) - len(needle)
+    needle = needle_t.format(key=key, value=value)
+    hay = text.index(question_t.format(key=key)) - len(needle)
     offset = text.index(needle)
     # nearest sentence boundary: within half the longest sentence
     assert abs(offset - depth * hay) <= synthetic.HAYSTACK_MAX_CHARS / 2 + 1
@@ -185,10 +194,10 @@ def test_niah_template_and_depth():
       assert any(before.endswith(s) for s in synthetic.haystack_sentences())
     if depth < 1.0:
       assert any(after.startswith(s) for s in synthetic.haystack_sentences())
-  near = BYTE.decode(tasks.niah(11, BYTE, 4000, depth=0.0).prompt)
-  assert near.startswith(synthetic.NIAH_NEEDLE[:30])
-  far = BYTE.decode(tasks.niah(11, BYTE, 4000, depth=1.0).prompt)
-  assert far.index(synthetic.NIAH_NEEDLE[:30]) > 3500
+  near = BYTE.decode(tasks.niah(11, BYTE, 4000, depth=0.0, keyed=keyed).prompt)
+  assert near.startswith(needle_t[:30])
+  far = BYTE.decode(tasks.niah(11, BYTE, 4000, depth=1.0, keyed=keyed).prompt)
+  assert far.index(needle_t[:30]) > 3500
 
 
 @pytest.mark.parametrize('value_type,haystack', [('number', 'essay'),
@@ -404,14 +413,21 @@ def test_synthetic_niah_task():
   assert a == synthetic.niah(np.random.default_rng(5), BYTE, 800)
   assert a != synthetic.niah(np.random.default_rng(6), BYTE, 800)
   for _ in range(10):
-    prompt, answer = synthetic.niah(rng, BYTE, 1000, min_tokens=400)
+    keyed = bool(rng.integers(2))
+    prompt, answer = synthetic.niah(rng, BYTE, 1000, min_tokens=400,
+                                    keyed=keyed)
     assert 400 - synthetic.HAYSTACK_MIN_CHARS <= len(prompt + answer) <= 1000
-    key, value, asked = parse_niah(BYTE.decode(prompt))
+    key, value, asked = parse_niah(BYTE.decode(prompt), keyed)
     assert asked == key and BYTE.decode(answer) == f' {value}'
+    assert bool(key) == keyed
   shallow, _ = synthetic.niah(rng, BYTE, 2000, depth=0.0)
+  assert BYTE.decode(shallow).startswith(' The special magic number is: ')
+  shallow, _ = synthetic.niah(rng, BYTE, 2000, depth=0.0, keyed=True)
   assert BYTE.decode(shallow).startswith(' The special magic number for ')
   with pytest.raises(ValueError, match='seq_len'):
-    synthetic.niah(rng, BYTE, 150)
+    synthetic.niah(rng, BYTE, 100)
+  with pytest.raises(ValueError, match="seq_len"):
+    synthetic.niah(rng, BYTE, 150, keyed=True)
 
 
 def test_niah_through_mixture_and_pipeline():

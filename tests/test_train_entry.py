@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from configs import tiny
+from orthros_jax.training import train_lm
 from orthros_jax.training.train_lm import model_config_from
 from orthros_jax.training.train_lm import train_and_evaluate
 
@@ -33,6 +36,39 @@ def test_train_and_evaluate_then_resume(tmp_path, kind):
   config.train.num_steps = 6
   state, history = train_and_evaluate(config, tmp_path)
   assert int(state.step) == 6 and len(history) == 2
+
+
+def test_warm_start_from_another_run(tmp_path):
+  # init_from: the params of a finished run, a fresh optimizer and schedule.
+  config = tiny.get_config('smoke')
+  first, _ = train_and_evaluate(config, tmp_path / 'a')
+  first = jax.device_get(first.params)
+  config.init_from = str(tmp_path / 'a')
+  config.train.num_steps = 2
+  captured = {}
+  original = train_lm.loop.train
+
+  def spy(cfg, workdir, model_config, params_init, *args, **kwargs):
+    captured['params'] = jax.device_get(params_init())
+    return original(cfg, workdir, model_config, params_init, *args, **kwargs)
+
+  train_lm.loop.train = spy
+  try:
+    second, history = train_and_evaluate(config, tmp_path / 'b')
+  finally:
+    train_lm.loop.train = original
+  assert int(second.step) == 2 and len(history) == 2
+  for a, b in zip(jax.tree.leaves(captured['params']),
+                  jax.tree.leaves(first)):
+    np.testing.assert_array_equal(a, b)
+  # A different architecture is refused before training.
+  config.model.num_layers = 3
+  with pytest.raises(ValueError, match='init_from'):
+    train_and_evaluate(config, tmp_path / 'c')
+  config.model.num_layers = 2
+  config.init_from = str(tmp_path / 'missing')
+  with pytest.raises(FileNotFoundError):
+    train_and_evaluate(config, tmp_path / 'd')
 
 
 def test_bad_config_keys_are_named(tmp_path):

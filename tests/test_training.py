@@ -117,7 +117,9 @@ def test_cross_entropy_matches_numpy_reference():
     (dict(weight_decay=-1.0), 'weight_decay'), (dict(b2=1.0), 'b2'),
     (dict(clip_norm=-1.0), 'clip_norm'), (dict(grad_accum_steps=0),
                                           'grad_accum_steps'),
-    (dict(trainable_mask='lora'), 'trainable_mask')])
+    (dict(trainable_mask='lora'), 'trainable_mask'),
+    (dict(lr_multipliers=(('window_logit', 0.0),)), 'lr_multipliers'),
+    (dict(lr_multipliers=('window_logit',)), 'lr_multipliers')])
 def test_make_optimizer_validates(kwargs, field):
   args = dict(lr=1e-3, warmup_steps=2, total_steps=10)
   args.update(kwargs)
@@ -133,6 +135,37 @@ def test_train_config_validates_and_reads_mappings():
   c = tr.TrainConfig.from_mapping({'num_steps': 7, 'model': 'ignored',
                                    'trainable': ['lora']})
   assert c.num_steps == 7 and c.trainable == ('lora',)
+  c = tr.TrainConfig.from_mapping({'lr_multipliers': {'window_logit': 30,
+                                                      'phi': 2.0}})
+  assert c.lr_multipliers == (('phi', 2.0), ('window_logit', 30.0))
+  for bad in ({'window_logit': -1.0}, {'': 2.0}, 'window_logit'):
+    with pytest.raises(ValueError, match='lr_multipliers'):
+      tr.TrainConfig(lr_multipliers=bad)
+
+
+def test_lr_multipliers_scale_updates_exactly():
+  # Two steps of AdamW with weight decay: the update of a param matching a
+  # multiplier is the plain update times the multiplier (first match wins),
+  # the others are the plain updates, frozen params stay zero.
+  params = {'a': {'window_logit': jnp.array([0.5, -1.0])},
+            'b': {'phi_q': jnp.array([[1.0, 2.0], [3.0, -4.0]])},
+            'c': {'kernel': jnp.array([2.0, 1.0])}}
+  grads = [jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)) + 0.3, params)
+           for i in range(2)]
+  kw = dict(weight_decay=0.1, trainable_mask=('window_logit', 'phi_q'))
+  plain = tr.make_optimizer(1e-2, 0, 10, **kw)
+  scaled = tr.make_optimizer(1e-2, 0, 10, lr_multipliers=(
+      ('window', 30.0), ('window_logit', 5.0), ('phi', 2.0)), **kw)
+  sp, ss = plain.init(params), scaled.init(params)
+  for g in grads:
+    up, sp = plain.update(g, sp, params)
+    us, ss = scaled.update(g, ss, params)
+    np.testing.assert_allclose(us['a']['window_logit'],
+                               30.0 * up['a']['window_logit'], rtol=1e-6)
+    np.testing.assert_allclose(us['b']['phi_q'], 2.0 * up['b']['phi_q'],
+                               rtol=1e-6)
+    assert np.all(np.asarray(us['c']['kernel']) == 0)
+    assert np.all(np.asarray(up['a']['window_logit']) != 0)
 
 
 # ---------------------------------------------------------------- steps

@@ -27,15 +27,20 @@ Tasks:
   empty prompt (loss on every token).
 - `niah`: needle in a haystack over real English prose (`haystack_text()`,
   the Python documentation bundled with the interpreter, so nothing is
-  downloaded). Consecutive haystack sentences from a random start, the needle
-  sentence "The special magic number for K is: V." at a sentence boundary at
-  `depth`, then " What is the special magic number for K? The special magic
-  number for K is:"; the answer is " V". K is an adjective-noun pair
-  ("green-river"), V a random 7-digit number. Like the passkey template (and
-  unlike RULER's, whose answer prefix paraphrases the needle: see the
-  niah_* tasks in orthros_jax/evaluation/tasks.py), the answer prefix repeats
-  the needle's own words, so a small model can retrieve by matching them. The evaluation task of the same name
-  (orthros_jax/evaluation/tasks.py) uses the same template (`niah_parts`).
+  downloaded). Consecutive haystack sentences from a random start, the
+  needle sentence "The special magic number is: V." at a sentence boundary
+  at `depth`, then " What is the special magic number? The special magic
+  number is:"; the answer is " V", a random 7-digit number. This is the
+  single-needle test of Kamradt's needle-in-a-haystack (one needle, one
+  question). With `keyed=True` the needle carries a key K, an adjective-
+  noun pair ("green-river"): "The special magic number for K is: V." and
+  " What is the special magic number for K? The special magic number for K
+  is:". In both, like the passkey template (and unlike RULER's, whose
+  answer prefix paraphrases the needle: see the niah_* tasks in
+  orthros_jax/evaluation/tasks.py), the answer prefix repeats the needle's
+  own words, so a small model can retrieve by matching them. The evaluation
+  task of the same name (orthros_jax/evaluation/tasks.py) uses the same
+  templates (`niah_parts`).
 
 The haystack helpers (`haystack_text`, `haystack_sentences`, `fill_sentences`,
 `insert_needles`) are shared with the evaluation tasks.
@@ -170,9 +175,12 @@ def filler(rng: np.random.Generator, tokenizer: Tokenizer, max_tokens: int, *,
 
 # ------------------------------------------------------- needle in a haystack
 
-NIAH_NEEDLE = ' The special magic number for {key} is: {value}.'
-NIAH_QUESTION = (' What is the special magic number for {key}? The special magic '
-                 'number for {key} is:')
+NIAH_NEEDLE = ' The special magic number is: {value}.'
+NIAH_QUESTION = (' What is the special magic number? The special magic '
+                 'number is:')
+NIAH_NEEDLE_KEYED = ' The special magic number for {key} is: {value}.'
+NIAH_QUESTION_KEYED = (' What is the special magic number for {key}? The '
+                       'special magic number for {key} is:')
 NIAH_ANSWER = ' {value}'
 KEY_ADJECTIVES = (
     'amber bold brave bright calm clever cold crimson dusty eager faint fancy '
@@ -303,22 +311,25 @@ class NiahParts(NamedTuple):
 
 
 def niah_parts(rng: np.random.Generator, tokenizer: Tokenizer, length: int,
-               depth: float | None = None) -> NiahParts:
+               depth: float | None = None, keyed: bool = False) -> NiahParts:
   """One niah example of `length - slack` tokens (prompt + answer).
 
-  Draws, in this order, the key, the 7-digit value, the depth (uniform in
+  Draws, in this order, the key (keyed only; otherwise key is ''), the
+  7-digit value, the depth (uniform in
   [0, 1] when None) and the haystack start sentence; the haystack fills the
   length left by the needle, question and answer (slack: see
   `fill_sentences`). Raises ValueError when even an empty haystack does not
   fit.
   """
-  key = random_key(rng)
+  key = random_key(rng) if keyed else ''
   value = str(int(rng.integers(10**6, 10**7)))
   depth = float(rng.uniform()) if depth is None else float(depth)
   if not 0.0 <= depth <= 1.0:
     raise ValueError(f'niah depth={depth} must be in [0, 1].')
-  needle = tokenizer.encode(NIAH_NEEDLE.format(key=key, value=value))
-  question = tokenizer.encode(NIAH_QUESTION.format(key=key))
+  needle_t, question_t = ((NIAH_NEEDLE_KEYED, NIAH_QUESTION_KEYED) if keyed
+                          else (NIAH_NEEDLE, NIAH_QUESTION))
+  needle = tokenizer.encode(needle_t.format(key=key, value=value))
+  question = tokenizer.encode(question_t.format(key=key))
   answer = tokenizer.encode(NIAH_ANSWER.format(value=value))
   budget = length - len(needle) - len(question) - len(answer)
   if budget < 0:
@@ -333,8 +344,8 @@ def niah_parts(rng: np.random.Generator, tokenizer: Tokenizer, length: int,
 
 
 def niah(rng: np.random.Generator, tokenizer: Tokenizer, max_tokens: int, *,
-         min_tokens: int | None = None, depth: float | None = None
-         ) -> tuple[list[int], list[int]]:
+         min_tokens: int | None = None, depth: float | None = None,
+         keyed: bool = False) -> tuple[list[int], list[int]]:
   """Needle in a haystack of real prose, filled to about the target length.
 
   The target length is `max_tokens`, or uniform in [min_tokens, max_tokens]
@@ -342,11 +353,12 @@ def niah(rng: np.random.Generator, tokenizer: Tokenizer, max_tokens: int, *,
   one (short) haystack sentence of it (see `fill_sentences`). `depth` in
   [0, 1] places the needle (0 = before the first haystack sentence, 1 = right
   before the question); None draws it uniformly. The prompt is
-  `niah_parts(...).prompt`; raises ValueError when the target length cannot
-  hold the needle, question and answer (about 160 byte tokens).
+  `niah_parts(...).prompt` (`keyed`: the keyed template); raises ValueError
+  when the target length cannot hold the needle, question and answer (about
+  110 byte tokens, 160 keyed).
   """
   target = _target_length(rng, max_tokens, min_tokens)
-  parts = niah_parts(rng, tokenizer, target, depth)
+  parts = niah_parts(rng, tokenizer, target, depth, keyed)
   return parts.prompt, parts.answer
 
 

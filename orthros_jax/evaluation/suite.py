@@ -51,10 +51,12 @@ from orthros_jax.training.train_lm import model_config_from
 MODELS = ('teacher', 'orthros', 'linear')
 
 
-def _load(path: str, step: int | None = None) -> tuple[ModelConfig, dict,
-                                                       int]:
-  """A checkpoint of train.py / convert.py: a convert.py workdir (its
-  orthros/ checkpoint), a train.py workdir, or a checkpoints directory."""
+def load_checkpoint(path: str, step: int | None = None
+                    ) -> tuple[ModelConfig, dict, int]:
+  """(model config, params, step) of a checkpoint of train.py /
+  convert.py: a convert.py workdir (its orthros/ checkpoint), a train.py
+  workdir, a params checkpoint (assets/tiny_teacher) or a checkpoints
+  directory."""
   converted = os.path.join(os.fspath(path), 'orthros')
   if os.path.isdir(os.path.join(converted, 'checkpoints')):
     path = converted
@@ -67,7 +69,7 @@ def load_models(config) -> tuple[dict, dict]:
   if not config.get('checkpoint'):
     raise ValueError('set checkpoint: an Orthros checkpoint (a convert.py '
                      'workdir or its orthros/ directory)')
-  student, params, step = _load(config.checkpoint)
+  student, params, step = load_checkpoint(config.checkpoint)
   if not student.is_orthros:
     raise ValueError(f'checkpoint {config.checkpoint} is a dense model; '
                      'eval.py needs an Orthros checkpoint (convert.py makes '
@@ -89,7 +91,7 @@ def load_models(config) -> tuple[dict, dict]:
   models = {}
   if 'teacher' in names:
     if config.get('teacher'):
-      teacher, t_params, t_step = _load(config.teacher)
+      teacher, t_params, t_step = load_checkpoint(config.teacher)
       if teacher.is_orthros:
         raise ValueError(f'teacher {config.teacher} is not a dense model')
       desc['teacher'] = (f'{config.teacher} (step {t_step}): dense '

@@ -25,10 +25,11 @@ length is set by `num_pairs` (ValueError when that exceeds `length`).
 Tasks ('essay' haystack: consecutive prose sentences from a seeded start;
 'noise': "The grass is green. The sky is blue. ..." repeated, as in RULER):
   passkey            Landmark-attention passkey (synthetic.passkey) at `depth`.
-  niah               "The special magic number for K is: V." in the essay at
-                     `depth`, then "What is the special magic number for K
-                     ...? ... is"; target " V" (synthetic.niah_parts). K is an
-                     adjective-noun key, V a 7-digit number.
+  niah               "The special magic number is: V." in the essay at
+                     `depth`, then "What is the special magic number? ...
+                     is:"; target " V", a 7-digit number (synthetic.niah_parts;
+                     Kamradt's single needle). keyed=True: "... number for K
+                     is: V.", asked for by its adjective-noun key K.
   niah_single        RULER single needle (number or UUID value).
   niah_multikey      `num_keys` needles with different keys, one queried.
   niah_multivalue    `num_values` needles with the same key; all values are
@@ -242,16 +243,17 @@ def passkey(seed: Seed, tokenizer: Tokenizer, length: int,
 
 
 def niah(seed: Seed, tokenizer: Tokenizer, length: int,
-         depth: float | None = None) -> TaskExample:
+         depth: float | None = None, keyed: bool = False) -> TaskExample:
   """Needle in an essay haystack, the template of synthetic.niah.
 
-  "The special magic number for K is: V." sits at the sentence boundary
-  nearest `depth` (fraction of the haystack; None: uniform) of consecutive
-  prose sentences from a seeded start; the question follows the haystack.
-  Target " V" (7 digits); the key K is an adjective-noun pair.
+  "The special magic number is: V." sits at the sentence boundary nearest
+  `depth` (fraction of the haystack; None: uniform) of consecutive prose
+  sentences from a seeded start; the question follows the haystack. Target
+  " V" (7 digits). keyed: "The special magic number for K is: V." with an
+  adjective-noun key K, asked for by K.
   """
   parts = synthetic.niah_parts(np.random.default_rng(seed), tokenizer, length,
-                               depth)
+                               depth, keyed)
   return TaskExample('niah', parts.prompt, parts.answer, (parts.value,),
                      {'length': length, 'depth': parts.depth,
                       'key': parts.key})

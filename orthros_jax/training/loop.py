@@ -42,6 +42,8 @@ class TrainConfig:
   every k batches and the schedule spans num_steps // k updates.
   trainable: None trains all params, else substrings of the param paths to
   train (e.g. ('phi_q', 'phi_k', 'window_logit') or ('lora',)).
+  lr_multipliers: {substring: multiplier}: params whose path contains the
+  substring learn at multiplier x learning_rate (stored as sorted pairs).
   eval_every / log_every / checkpoint_every: in steps; eval_every=0 evaluates
   only at the end. keep_checkpoints: newest N kept.
   """
@@ -56,6 +58,7 @@ class TrainConfig:
   grad_accum_steps: int = 1
   split_mode: str = 'prompt'
   trainable: tuple[str, ...] | None = None
+  lr_multipliers: tuple[tuple[str, float], ...] = ()
   log_every: int = 50
   eval_every: int = 0
   checkpoint_every: int = 1000
@@ -79,6 +82,18 @@ class TrainConfig:
                        f'one of {step_lib.SPLIT_MODES}.')
     if self.trainable is not None:
       object.__setattr__(self, 'trainable', tuple(self.trainable))
+    mults = self.lr_multipliers
+    if isinstance(mults, Mapping):
+      mults = sorted(dict(mults).items())
+    try:
+      mults = tuple((str(s), float(m)) for s, m in (mults or ()))
+    except (TypeError, ValueError):
+      mults = None
+    if mults is None or any(m <= 0 or not s for s, m in mults):
+      raise ValueError(f'lr_multipliers={self.lr_multipliers!r} is invalid: '
+                       "expected {param path substring: multiplier > 0}, "
+                       "e.g. {'window_logit': 30.0}.")
+    object.__setattr__(self, 'lr_multipliers', mults)
 
   @property
   def total_updates(self) -> int:
@@ -96,7 +111,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   return optim.make_optimizer(
       config.learning_rate, config.warmup_steps, config.total_updates,
       config.weight_decay, config.b1, config.b2, config.clip_norm,
-      config.grad_accum_steps, config.trainable)
+      config.grad_accum_steps, config.trainable, config.lr_multipliers)
 
 
 def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,

@@ -1,9 +1,11 @@
 """The optimizer: AdamW on a linear-warmup + cosine schedule, global-norm
-clipping, optional gradient accumulation and frozen parameters.
+clipping, optional gradient accumulation, per-parameter learning-rate
+multipliers and frozen parameters.
 
     MultiSteps(k)                     # only when grad_accum_steps > 1
       multi_transform
         'train':  clip_by_global_norm -> adamw(warmup_cosine)
+                  -> x lr multiplier  # only when lr_multipliers is given
         'freeze': set_to_zero          # exactly zero updates, no weight decay
 
 The clip norm is taken over the trainable gradients only, and the schedule
@@ -74,16 +76,44 @@ def make_schedule(lr: float, warmup_steps: int,
       decay_steps=total_steps, end_value=0.0)
 
 
+def scale_by_multipliers(multipliers: Sequence[tuple[str, float]]
+                         ) -> optax.GradientTransformation:
+  """Multiplies the update of every param whose '/'-joined path contains
+  substring s by m, for each (s, m) (the first match wins; others x 1).
+
+  After adamw this is a per-parameter learning rate: the AdamW update
+  -lr * (adam direction + weight_decay * param) is scaled as a whole.
+  """
+  multipliers = tuple((str(s), float(m)) for s, m in multipliers)
+
+  def factor(path) -> float:
+    name = path_str(path)
+    return next((m for s, m in multipliers if s in name), 1.0)
+
+  def update_fn(updates, state, params=None):
+    del params
+    return jax.tree_util.tree_map_with_path(
+        lambda p, u: u * factor(p), updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(),
+                                      update_fn)
+
+
 def make_optimizer(lr: float, warmup_steps: int, total_steps: int,
                    weight_decay: float = 0.0, b1: float = 0.9,
                    b2: float = 0.95, clip_norm: float | None = 1.0,
                    grad_accum_steps: int = 1,
-                   trainable_mask: TrainableMask = None
+                   trainable_mask: TrainableMask = None,
+                   lr_multipliers: Sequence[tuple[str, float]] = ()
                    ) -> optax.GradientTransformation:
-  """AdamW + warmup-cosine + clipping (+ accumulation, + frozen params).
+  """AdamW + warmup-cosine + clipping (+ accumulation, + frozen params,
+  + per-parameter learning-rate multipliers).
 
   clip_norm: None or 0 disables clipping. trainable_mask: see TrainableMask;
   frozen params get exactly zero updates (and no weight decay).
+  lr_multipliers: (substring, multiplier) pairs, see `scale_by_multipliers`
+  (e.g. (('window_logit', 30.0),): the window weights of a conversion move
+  30x faster than the feature maps).
   """
   schedule = make_schedule(lr, warmup_steps, total_steps)
   _check(weight_decay >= 0, 'weight_decay', weight_decay, 'a number >= 0')
@@ -97,9 +127,16 @@ def make_optimizer(lr: float, warmup_steps: int, total_steps: int,
          not isinstance(trainable_mask, str), 'trainable_mask',
          trainable_mask, 'None, a predicate, a bool pytree or a sequence of '
          "substrings such as ('lora',)")
+  lr_multipliers = tuple(lr_multipliers or ())
+  _check(all(isinstance(p, (tuple, list)) and len(p) == 2 and
+             isinstance(p[0], str) and float(p[1]) > 0
+             for p in lr_multipliers), 'lr_multipliers', lr_multipliers,
+         "(substring, multiplier > 0) pairs such as (('window_logit', 30.0),)")
 
   parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
   parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+  if lr_multipliers:
+    parts.append(scale_by_multipliers(lr_multipliers))
   tx = optax.chain(*parts)
   if trainable_mask is not None:
     tx = optax.multi_transform(
