@@ -11,6 +11,9 @@ PYTEST_ARGS ?= -n 2 --durations=15
 # train.py: see its README) -> convert.py -> eval.py, three-way report.
 DEMO_DIR ?= results/demo
 DEMO_TEACHER ?= assets/tiny_teacher
+# Its training tokens over both runs (assets/tiny_teacher/README.md); 0 reads
+# them from the teacher's config.json (its last run only).
+DEMO_TEACHER_TOKENS ?= 31948800
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +31,9 @@ install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) convert.py --config=configs/convert_tiny.py \
-	  --config.teacher.checkpoint=$(DEMO_TEACHER) --workdir=$(DEMO_DIR)/convert
+	  --config.teacher.checkpoint=$(DEMO_TEACHER) \
+	  --config.teacher.train_tokens=$(DEMO_TEACHER_TOKENS) \
+	  --workdir=$(DEMO_DIR)/convert
 	$(PY) eval.py --config=configs/eval_tiny.py \
 	  --config.checkpoint=$(DEMO_DIR)/convert \
 	  --config.teacher=$(DEMO_TEACHER) --out=$(DEMO_DIR)/eval

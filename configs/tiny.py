@@ -9,7 +9,8 @@ needle in Python's own documentation prose) to the mix; 'varlen' draws the
 passkey and needle prompts at uniform lengths in [256, seq_len] instead of
 all at seq_len (so the model sees more than one context length). The
 committed demo teacher (assets/tiny_teacher) is 2000 steps of the default mix
-continued with 'niah' and then 'niah,varlen' (commands in
+continued with 'niah' (an older needle template) and then warm-started
+(`init_from`) for 1200 steps of 'niah,varlen' (commands in
 assets/tiny_teacher/README.md).
 """
 
