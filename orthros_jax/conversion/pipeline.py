@@ -41,10 +41,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import tqdm
 
 from orthros_jax import sharding
@@ -100,7 +98,7 @@ def load_teacher(teacher_cfg: Mapping[str, Any]
     raise ValueError(
         f'the teacher checkpoint {ckpt} is already an Orthros model '
         f'(attention.kind={config.attention.kind!r}); convert a dense model')
-  _check_params(config, params, f'teacher checkpoint {ckpt}')
+  ckpt_lib.check_params(config, params, f'teacher checkpoint {ckpt}')
   tokens = teacher_cfg.get('train_tokens') or _train_tokens(ckpt, step)
   return config, params, {'source': 'checkpoint',
                           'path': os.path.abspath(ckpt), 'step': step,
@@ -120,25 +118,6 @@ def _train_tokens(workdir: str, step: int) -> int | None:
         cfg['data']['seq_len'])
   except (KeyError, TypeError, ValueError):
     return None
-
-
-def _check_params(config: ModelConfig, params, where: str) -> None:
-  """Raises ValueError when `params` do not fit `config`'s model."""
-  from orthros_jax.model import Transformer  # pylint: disable=g-import-not-at-top
-  want = jax.eval_shape(
-      lambda: nn.unbox(Transformer(config).init(
-          jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32),
-          phase='forward')['params']))
-  want = ckpt_lib._flat_shapes(want)  # pylint: disable=protected-access
-  have = ckpt_lib._flat_shapes(params)  # pylint: disable=protected-access
-  missing = sorted(set(want) - set(have))
-  extra = sorted(set(have) - set(want))
-  wrong = sorted(k for k in set(want) & set(have) if want[k] != have[k])
-  if missing or extra or wrong:
-    raise ValueError(
-        f'{where} does not match its model config: missing {missing[:5]}, '
-        f'unexpected {extra[:5]}, wrong shapes '
-        f'{[(k, have[k], want[k]) for k in wrong[:5]]}')
 
 
 def orthros_attention(attention: AttentionConfig | Mapping[str, Any]

@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -52,6 +53,26 @@ def config_to_json(config: ModelConfig | None) -> dict:
 def _flat_shapes(tree) -> dict[str, tuple]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {path_str(p): tuple(getattr(x, 'shape', ())) for p, x in leaves}
+
+
+def check_params(config, params, where: str) -> None:
+  """Raises ValueError naming the missing, unexpected and wrongly shaped
+  entries when `params` do not fit the model of `config` (a ModelConfig);
+  `where` names the params in the message."""
+  from orthros_jax.model import Transformer  # pylint: disable=g-import-not-at-top
+  want = _flat_shapes(jax.eval_shape(
+      lambda: nn.unbox(Transformer(config).init(
+          jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32),
+          phase='forward')['params'])))
+  have = _flat_shapes(params)
+  missing = sorted(set(want) - set(have))
+  extra = sorted(set(have) - set(want))
+  wrong = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+  if missing or extra or wrong:
+    raise ValueError(
+        f'{where} does not match the model config: missing {missing[:5]}, '
+        f'unexpected {extra[:5]}, wrong shapes '
+        f'{[(k, have[k], want[k]) for k in wrong[:5]]}')
 
 
 def _diff_dicts(a: dict, b: dict, prefix: str = '') -> list[str]:

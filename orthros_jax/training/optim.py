@@ -79,7 +79,8 @@ def make_schedule(lr: float, warmup_steps: int,
 def scale_by_multipliers(multipliers: Sequence[tuple[str, float]]
                          ) -> optax.GradientTransformation:
   """Multiplies the update of every param whose '/'-joined path contains
-  substring s by m, for each (s, m) (the first match wins; others x 1).
+  substring s by m, for each (s, m); when several substrings match, the
+  longest (most specific) wins, whatever their order; others x 1.
 
   After adamw this is a per-parameter learning rate: the AdamW update
   -lr * (adam direction + weight_decay * param) is scaled as a whole.
@@ -88,7 +89,8 @@ def scale_by_multipliers(multipliers: Sequence[tuple[str, float]]
 
   def factor(path) -> float:
     name = path_str(path)
-    return next((m for s, m in multipliers if s in name), 1.0)
+    matches = [(len(s), m) for s, m in multipliers if s in name]
+    return max(matches)[1] if matches else 1.0
 
   def update_fn(updates, state, params=None):
     del params

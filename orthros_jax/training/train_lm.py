@@ -25,7 +25,6 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from orthros_jax import sharding
 from orthros_jax.config import AttentionConfig
@@ -92,30 +91,23 @@ def train_and_evaluate(config, workdir: str | os.PathLike):
 
   seq_len = int(config.data.seq_len)
 
-  def fresh_init():
+  def params_init():
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     init = jax.jit(lambda rng: Transformer(model_config).init(
         rng, tokens, phase='forward')['params'])
     return init(jax.random.PRNGKey(train_cfg.seed))
 
-  params_init = fresh_init
   init_from = config.get('init_from') or ''
   if init_from:
     # Warm start: the params of another run (a train.py / convert.py workdir
     # or a committed params checkpoint); optimizer and schedule start fresh.
     # Checked against this config before training starts.
     loaded, _, from_step = ckpt_lib.load_params(init_from)
-    expected = nn.unbox(jax.eval_shape(fresh_init))
-    if (jax.tree.structure(loaded) != jax.tree.structure(expected) or any(
-        tuple(a.shape) != tuple(b.shape) for a, b in
-        zip(jax.tree.leaves(loaded), jax.tree.leaves(expected)))):
-      raise ValueError(
-          f'init_from={init_from} (step {from_step}) holds params that do '
-          'not match config.model: the same architecture is needed to warm '
-          'start')
+    ckpt_lib.check_params(model_config, loaded,
+                          f'init_from={init_from} (step {from_step})')
     logging.info('warm start from %s (step %d)', init_from, from_step)
     params_init = lambda: jax.tree.map(
-        lambda x, e: jnp.array(x, e.dtype, copy=True), loaded, expected)
+        lambda x: jnp.array(x, model_config.param_dtype, copy=True), loaded)
 
   eval_fn = None
   eval_data = config.get('eval_data')
