@@ -85,11 +85,13 @@ def batch_of(examples) -> tuple[np.ndarray, np.ndarray, list]:
           [list(e.target) for e in examples])
 
 
-def far_mass(config, params, tokens: np.ndarray, lengths: np.ndarray
-             ) -> np.ndarray:
+def far_mass(config, params, tokens: np.ndarray, lengths: np.ndarray,
+             window: int | None = None) -> np.ndarray:
   """[L, H] share of attention beyond the window (see module doc), over
-  the prompt queries t >= W of every example."""
-  w = config.attention.window
+  the prompt queries t >= W of every example. W: `window`, default the
+  config's (give the Orthros model's window for a dense teacher, whose
+  config carries only the default)."""
+  w = config.attention.window if window is None else window
   captured = {}
 
   def capture(next_fun, args, kwargs, context):
@@ -203,7 +205,8 @@ def run(checkpoint: str, teacher: str, task: str, length: int,
       'teacher_exact_match': teacher_acc,
       'ablation': rows,
       'far_mass': {
-          'teacher': far_mass(t_config, t_params, tokens, lengths).tolist(),
+          'teacher': far_mass(t_config, t_params, tokens, lengths,
+                              window=student.attention.window).tolist(),
           'orthros': far_mass(student, params, tokens, lengths).tolist()},
   }
 

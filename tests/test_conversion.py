@@ -63,6 +63,75 @@ def test_transfer_loss_is_zero_when_the_window_covers_the_sequence():
   assert float(loss) < 1e-10
 
 
+def _split_batch(seed, b=3, t=13, pad=(0, 4, 2)):
+  """A batch with right padding of `pad[i]` tokens in row i (weights 0)."""
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (b, t + 1), 1, 64)
+  weights = np.ones((b, t), np.float32)
+  inputs = np.asarray(tokens[:, :-1]).copy()
+  for i, n in enumerate(pad):
+    if n:
+      weights[i, t - n:] = 0
+      inputs[i, t - n:] = 0
+  weights[:, : t // 2] = 0  # prompt positions carry no answer loss
+  return {'inputs': jnp.asarray(inputs), 'targets': tokens[:, 1:],
+          'weights': jnp.asarray(weights),
+          'prompt_lengths': jnp.full((b,), t // 2, jnp.int32)}
+
+
+def test_hidden_distillation_term():
+  from orthros_jax.conversion.stages import finetune_objective
+  params = _init(TEACHER, jax.random.PRNGKey(0))
+  batch = _split_batch(2)
+  rng = jax.random.PRNGKey(3)
+  wide = TEACHER.replace(attention={'kind': 'orthros', 'window': 16,
+                                    'chunk_size': 4, 'feature_dim': 4})
+  base = orthros_params(params, wide)
+
+  def metrics(config, p, split_mode='random'):
+    obj = finetune_objective(config, split_mode=split_mode,
+                             hidden_weight=1.0, kl_weight=1.0)
+    loss, m = jax.jit(obj)(p, batch, rng)
+    return float(loss), {k: float(v) for k, v in m.items()}
+
+  # W >= T: prefill is exact softmax, so the student is the teacher.
+  loss, m = metrics(wide, {'base': base, 'lora': {}})
+  assert m['hidden_mse'] < 1e-10 and abs(m['kl']) < 1e-6
+  np.testing.assert_allclose(loss, m['loss'] + m['kl'] + m['hidden_mse'],
+                             rtol=1e-6)
+  # A frozen 'teacher' copy is what the terms read: scaling its layer-1
+  # input norm by c gives exactly (c - 1)^2 x the mean square of that
+  # input over the real (unpadded) tokens.
+  c = 1.5
+  teacher = jax.tree.map(lambda x: x, params)
+  teacher['layers_1']['input_norm'] = {
+      'scale': params['layers_1']['input_norm']['scale'] * c}
+  _, m = metrics(wide, {'base': base, 'lora': {}, 'teacher': teacher})
+  inputs, _ = teacher_attention_io(TEACHER, params, batch['inputs'])
+  x1 = np.asarray(inputs[1], np.float64)
+  w = np.asarray(batch['weights'])
+  valid = np.cumsum(w[:, ::-1], axis=1)[:, ::-1] > 0
+  want = (c - 1) ** 2 * np.mean(x1 ** 2, -1)[valid].mean()
+  np.testing.assert_allclose(m['hidden_mse'], want, rtol=1e-4)
+  # A short window: the prefill differs from the teacher, layer 0 (the
+  # embedding) does not; padded positions never count.
+  narrow = TEACHER.replace(attention={'kind': 'orthros', 'window': 2,
+                                      'chunk_size': 4, 'feature_dim': 4})
+  p = {'base': orthros_params(params, narrow), 'lora': {}}
+  _, m = metrics(narrow, p, split_mode='prompt')
+  assert m['hidden_mse'] > 1e-4
+  batch['inputs'] = batch['inputs'].at[1, -2:].set(7)  # padding content
+  _, m2 = metrics(narrow, p, split_mode='prompt')
+  np.testing.assert_allclose(m2['hidden_mse'], m['hidden_mse'], rtol=1e-6)
+  # No gradient reaches the frozen teacher copy.
+  obj = finetune_objective(narrow, split_mode='prompt', hidden_weight=1.0)
+  grads = jax.grad(lambda q: obj(q, batch, rng)[0])(
+      dict(p, teacher=params))
+  assert all(float(jnp.abs(g).max()) == 0
+             for g in jax.tree.leaves(grads['teacher']))
+  assert any(float(jnp.abs(g).max()) > 0
+             for g in jax.tree.leaves(grads['base']))
+
+
 def test_stage1_lowers_mse_and_touches_only_feature_maps():
   teacher_params = _init(TEACHER, jax.random.PRNGKey(0))
   config = TEACHER.replace(attention={'kind': 'orthros', 'window': 8,

@@ -265,6 +265,7 @@ def test_full_finetune_and_kl(teacher_dir, tmp_path):
   c.stage2.tokens = 2 * 4 * 96
   c.stage2.lora_rank = 0
   c.stage2.kl_weight = 0.5
+  c.stage2.hidden_weight = 1.0
   c.stage2.split_mode = 'random'
   report = pipeline.convert(c, tmp_path)
   assert report['conversion']['stage2']['method'] == 'full finetune'
@@ -274,7 +275,8 @@ def test_full_finetune_and_kl(teacher_dir, tmp_path):
   assert not np.array_equal(params['layers_1']['mlp']['up_proj']['kernel'],
                             teacher['layers_1']['mlp']['up_proj']['kernel'])
   rows = [json.loads(l) for l in open(tmp_path / 'stage2' / 'metrics.jsonl')]
-  assert all('kl' in r for r in rows if 'loss' in r)
+  assert all('kl' in r and 'hidden_mse' in r for r in rows if 'loss' in r)
+  assert report['conversion']['stage2']['hidden_weight'] == 1.0
 
 
 def test_convert_errors(teacher_dir, tmp_path):

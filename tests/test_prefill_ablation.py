@@ -81,6 +81,9 @@ def test_far_mass_dense_uniform_attention():
   assert np.all((got > 0) & (got < 1))
   wide = cfg.replace(attention={'window': 64})
   assert np.all(ablation.far_mass(wide, params, tokens, lengths) == 0)
+  # An explicit window overrides the config's.
+  np.testing.assert_array_equal(
+      ablation.far_mass(wide, params, tokens, lengths, window=w), got)
 
 
 def test_far_mass_orthros_uniform_features():
@@ -159,6 +162,15 @@ def test_run_writes_report(tmp_path):
                         'byte')
   assert result['step'] == 3 and len(result['ablation']) == 4
   assert np.array(result['far_mass']['teacher']).shape == (2, 4)
+  # A separate dense teacher checkpoint (its config has the default window,
+  # 64) is measured beyond the Orthros model's window, 8.
+  dense = cfg.replace(attention={'kind': 'dense', 'window': 64})
+  save_params(str(tmp_path / 'teacher'), params, dense, step=1)
+  with_teacher = ablation.run(str(tmp_path / 'ckpt'),
+                              str(tmp_path / 'teacher'), 'niah', 160, 3, 0,
+                              'byte')
+  np.testing.assert_allclose(with_teacher['far_mass']['teacher'],
+                             result['far_mass']['teacher'], rtol=1e-12)
   text = ablation.report(json.loads(json.dumps(result)))
   assert '| dense teacher |' in text and '| 0, 1 |' in text
   with pytest.raises(ValueError, match='several answers'):

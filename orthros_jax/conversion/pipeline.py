@@ -7,6 +7,7 @@
       -> stage 2, phase-aware finetune (workdir/stage2): next-token loss on the
          answer positions with a per-example prefill/decode split, through
          LoRA on q/k/v/o (or a full finetune), optional KL to the teacher
+         and hidden-state distillation (every layer's attention input)
       -> merged params saved to workdir/orthros/checkpoints (load_params)
       -> held-out evaluation through the inference path of the dense teacher,
          the Orthros model and the pure-linear floor (same weights, W = 0,
@@ -23,7 +24,8 @@ The config (configs/convert_tiny.py documents every field):
   attention: the Orthros AttentionConfig fields
   data:      make_dataset arguments for both stages (tokenizer included)
   stage1, stage2: token budget and TrainConfig fields, plus stage2's
-             lora_rank (0 = full finetune), lora_alpha, kl_weight
+             lora_rank (0 = full finetune), lora_alpha, kl_weight,
+             hidden_weight (stages.finetune_objective)
   eval:      seq_len, batch_size, seed, num_examples, sets (name -> dataset
              overrides), modes
   mesh:      optional device mesh (orthros_jax/sharding.py): shape (axis ->
@@ -67,6 +69,7 @@ from orthros_jax.training.train_lm import model_config_from
 _STAGE_KEYS = {'tokens'} | {f for f in loop.TrainConfig.__dataclass_fields__
                             if f not in ('num_steps', 'trainable')}
 _STAGE2_KEYS = _STAGE_KEYS | {'lora_rank', 'lora_alpha', 'kl_weight',
+                              'hidden_weight',
                               'lora_targets'}
 # The three models of every report: name -> (which params, attention, mode).
 MODELS = ('teacher', 'orthros', 'linear')
@@ -320,11 +323,18 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   rank = int(s2_extra.get('lora_rank', 8))
   alpha = float(s2_extra.get('lora_alpha', 16.0))
   kl_weight = float(s2_extra.get('kl_weight', 0.0))
-  if rank < 0 or kl_weight < 0:
-    raise ValueError(f'stage2.lora_rank={rank} and stage2.kl_weight='
-                     f'{kl_weight} must be >= 0 (rank 0 = full finetune)')
+  hidden_weight = float(s2_extra.get('hidden_weight', 0.0))
+  if rank < 0 or kl_weight < 0 or hidden_weight < 0:
+    raise ValueError(f'stage2.lora_rank={rank}, stage2.kl_weight='
+                     f'{kl_weight} and stage2.hidden_weight={hidden_weight} '
+                     'must be >= 0 (rank 0 = full finetune)')
+  # A full finetune moves the base weights, so the distillation terms read
+  # a frozen copy of the teacher (params['teacher'], never trained).
+  frozen_teacher = not rank and (kl_weight > 0 or hidden_weight > 0)
   if rank:
     s2_cfg = dataclasses.replace(s2_cfg, trainable=('lora',))
+  elif frozen_teacher:
+    s2_cfg = dataclasses.replace(s2_cfg, trainable=('base',))
   if not _plain(config.eval).get('sets'):
     raise ValueError('eval.sets is empty: name at least one held-out set')
   tokenizer = get_tokenizer(data_cfg.get('tokenizer', 'byte'))
@@ -366,11 +376,14 @@ def convert(config, workdir: str | os.PathLike) -> dict:
                           'lora_targets', ('q_proj', 'k_proj', 'v_proj',
                                            'o_proj'))))
             if rank else {})
-    return {'base': jax.tree.map(jnp.copy, params1), 'lora': lora}
+    params = {'base': jax.tree.map(jnp.copy, params1), 'lora': lora}
+    if frozen_teacher:
+      params['teacher'] = jax.tree.map(jnp.copy, teacher_params)
+    return params
 
   objective2 = stages.finetune_objective(
       student, split_mode=s2_cfg.split_mode, lora_alpha=alpha,
-      kl_weight=kl_weight)
+      kl_weight=kl_weight, hidden_weight=hidden_weight)
   stage2_dir = os.path.join(workdir, 'stage2')
   state2, hist2 = loop.train(
       s2_cfg, stage2_dir, student, stage2_init,
@@ -401,7 +414,7 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   s2 = _stage_summary(hist2, stage2_dir, s2_cfg.num_steps, tokens_per_step)
   s2.update(method=f'LoRA r={rank} alpha={alpha}' if rank else
             'full finetune', split_mode=s2_cfg.split_mode,
-            kl_weight=kl_weight)
+            kl_weight=kl_weight, hidden_weight=hidden_weight)
   conv_tokens = s1['tokens'] + s2['tokens']
   teacher_tokens = teacher_info.get('train_tokens')
   sets = [s for s in results['teacher'] if s != 'all']

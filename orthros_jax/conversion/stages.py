@@ -10,9 +10,10 @@ Stage 2, phase-aware finetune: params are {'base': Orthros params, 'lora':
 adapters}; the forward pass uses `merge_lora(base, lora)` with the
 per-example split of `split_mode`, so inference's prefill/decode hand-off is
 what trains. With TrainConfig.trainable=('lora',) the base stays frozen;
-with None everything trains (a full finetune); an optional KL term pulls the
-exact positions' distribution towards the teacher's (the base weights with
-dense attention).
+with ('base', 'lora') everything but a frozen teacher copy trains (a full
+finetune). Optional terms pull the student towards the dense teacher: a KL
+on the exact positions' distribution, and an MSE on every layer's attention
+input over the whole sequence (what the KV cache is projected from).
 """
 
 from __future__ import annotations
@@ -50,27 +51,57 @@ def transfer_objective(config: ModelConfig):
   return objective
 
 
+def _attention_inputs(config: ModelConfig, params, tokens, split=None):
+  """(logits, [L, B, T, E] float32): each layer's attention input (the
+  normed residual stream its q/k/v projections read) and the logits, from
+  one forward pass with the given prefill/decode split."""
+  (logits, _), state = Transformer(config).apply(
+      {'params': params}, tokens, phase='forward', split=split,
+      capture_intermediates=lambda mdl, _: mdl.name == 'input_norm',
+      mutable=['intermediates'])
+  inter = state['intermediates']
+  xs = [inter[f'layers_{i}']['input_norm']['__call__'][0]
+        for i in range(config.num_layers)]
+  return logits, jnp.stack(xs).astype(jnp.float32)
+
+
 def finetune_objective(config: ModelConfig, *, split_mode: str = 'prompt',
-                       lora_alpha: float = 16.0, kl_weight: float = 0.0):
-  """Stage 2: (params {'base', 'lora'}, batch, rng) -> (loss, metrics).
+                       lora_alpha: float = 16.0, kl_weight: float = 0.0,
+                       hidden_weight: float = 0.0):
+  """Stage 2: (params {'base', 'lora'[, 'teacher']}, batch, rng) ->
+  (loss, metrics).
 
   Next-token loss on the weighted (answer) positions with the split of
   `split_mode`; plus kl_weight * KL(teacher || student) on the same
-  positions when kl_weight > 0.
+  positions; plus hidden_weight * the mean squared error between every
+  layer's attention input in the student (through the split: the prefill
+  part is what fills the KV cache) and in the teacher, over every real
+  token. The last term is what decode depends on: the cache holds K and V
+  projected from exactly these inputs, and the answer-only loss reaches
+  them through a handful of tokens per example.
+
+  The teacher is the dense model with params['teacher'] when present (a
+  frozen copy, for a full finetune, where 'base' moves), else with 'base'
+  (frozen under LoRA); no gradient flows into it either way.
   """
   teacher = config.replace(attention={'kind': 'dense'})
 
   def objective(params, batch, rng):
     merged = merge_lora(params['base'], params['lora'], alpha=lora_alpha)
     split = make_split(config, split_mode, batch, rng)
-    logits, _ = Transformer(config).apply(
-        {'params': merged}, batch['inputs'], phase='forward', split=split)
+    tokens = batch['inputs']
+    teacher_params = jax.lax.stop_gradient(
+        params.get('teacher', params['base']))
+    if hidden_weight > 0:
+      logits, hidden = _attention_inputs(config, merged, tokens, split)
+    else:
+      logits, _ = Transformer(config).apply(
+          {'params': merged}, tokens, phase='forward', split=split)
     loss, metrics = loss_lib.cross_entropy(logits, batch['targets'],
                                            batch['weights'])
+    if kl_weight > 0 or hidden_weight > 0:
+      t_logits, t_hidden = _attention_inputs(teacher, teacher_params, tokens)
     if kl_weight > 0:
-      t_logits, _ = Transformer(teacher).apply(
-          {'params': jax.lax.stop_gradient(params['base'])}, batch['inputs'],
-          phase='forward')
       t_logp = jax.nn.log_softmax(t_logits)
       kl = jnp.sum(jnp.exp(t_logp) * (t_logp - jax.nn.log_softmax(logits)),
                    axis=-1)
@@ -78,6 +109,17 @@ def finetune_objective(config: ModelConfig, *, split_mode: str = 'prompt',
       kl = jnp.sum(kl * w) / jnp.maximum(jnp.sum(w), 1.0)
       loss = loss + kl_weight * kl
       metrics = dict(metrics, kl=kl)
+    if hidden_weight > 0:
+      # Every real token: right padding (id 0 after the last weighted
+      # target) is excluded through the loss weights' extent.
+      valid = (jnp.cumsum(batch['weights'][:, ::-1], axis=1)[:, ::-1] > 0)
+      valid = valid.astype(jnp.float32)
+      err = jnp.mean(jnp.square(hidden - t_hidden), axis=-1)  # [L, B, T]
+      per_layer = (jnp.sum(err * valid, axis=(1, 2))
+                   / jnp.maximum(jnp.sum(valid), 1.0))
+      hidden_mse = jnp.sum(per_layer)
+      loss = loss + hidden_weight * hidden_mse
+      metrics = dict(metrics, hidden_mse=hidden_mse)
     return loss, metrics
 
   return objective
