@@ -89,8 +89,8 @@ def far_mass(config, params, tokens: np.ndarray, lengths: np.ndarray,
              window: int | None = None) -> np.ndarray:
   """[L, H] share of attention beyond the window (see module doc), over
   the prompt queries t >= W of every example. W: `window`, default the
-  config's (give the Orthros model's window for a dense teacher, whose
-  config carries only the default)."""
+  config's (give the Orthros model's window for a dense teacher: its
+  config's window is whatever it was built with, unused by its attention)."""
   w = config.attention.window if window is None else window
   captured = {}
 

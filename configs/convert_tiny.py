@@ -88,7 +88,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                   warmup_steps=1 if smoke else 5,
                   weight_decay=0.0, split_mode='prompt',
                   lora_rank=8 if smoke else 0,
-                  lora_alpha=16.0, kl_weight=0.0, hidden_weight=1.0,
+                  lora_alpha=16.0, kl_weight=0.0,
+                  hidden_weight=0.0 if smoke else 1.0,
                   log_every=1 if smoke else 5,
                   checkpoint_every=2 if smoke else 40, progress=not smoke)
   # Held-out evaluation through the inference path; sets: name -> dataset

@@ -4,7 +4,9 @@
       --config.checkpoint=/tmp/tiny_orthros --config.teacher=/tmp/tiny
 
 `arg`: '' the full tiny suite; 'smoke' a few examples of each section
-(tests); 'speed' only the speed section, at longer lengths.
+(tests); 'speed' only the speed section, at longer lengths; 'retrieval'
+only the retrieval tasks (the same examples as the full suite), e.g. with
+--config.models="('orthros',)" to score one converted model quickly.
 Task lengths are in tokens (bytes for the byte tokenizer).
 """
 
@@ -12,6 +14,9 @@ import ml_collections
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
+  if arg not in ('', 'smoke', 'speed', 'retrieval'):
+    raise ValueError(f'configs/eval_tiny.py:{arg}: expected one of smoke, '
+                     'speed, retrieval (or nothing)')
   smoke = arg == 'smoke'
   c = ml_collections.ConfigDict()
   c.name = 'tiny' if not arg else f'tiny_{arg}'
@@ -44,11 +49,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.quality = dict(source='synthetic', tasks={'filler': 1.0},
                    seq_len=96 if smoke else 384, batch_size=4 if smoke else 16,
                    seed=5, num_examples=4 if smoke else 64)
-  if arg == 'speed':
+  if arg in ('speed', 'retrieval'):
     c.quality = {}
   lengths = (64, 128) if smoke else (256, 1024, 4096)
   if arg == 'speed':
     lengths = (512, 1024, 2048, 4096, 8192, 16384)
   c.speed = dict(lengths=lengths, batch=1, decode_batch=1,
                  reps=1 if smoke else 3)
+  if arg == 'retrieval':
+    c.speed = {}
   return c

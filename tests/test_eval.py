@@ -175,6 +175,17 @@ def test_suite_without_teacher_uses_dense_attention_on_the_same_weights(
   assert set(results) >= {'quality'} and 'speed' not in results
 
 
+def test_eval_tiny_variants():
+  full, retrieval = eval_tiny.get_config(), eval_tiny.get_config('retrieval')
+  assert retrieval.tasks.to_dict() == full.tasks.to_dict()
+  assert not retrieval.get('quality') and not retrieval.get('speed')
+  assert full.quality and full.speed
+  speed = eval_tiny.get_config('speed')
+  assert not speed.tasks and not speed.quality and speed.speed
+  with pytest.raises(ValueError, match='expected one of'):
+    eval_tiny.get_config('retreival')
+
+
 def test_suite_errors(checkpoints, tmp_path):
   c = _smoke_config(checkpoints)
   c.checkpoint = ''

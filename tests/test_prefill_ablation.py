@@ -162,8 +162,8 @@ def test_run_writes_report(tmp_path):
                         'byte')
   assert result['step'] == 3 and len(result['ablation']) == 4
   assert np.array(result['far_mass']['teacher']).shape == (2, 4)
-  # A separate dense teacher checkpoint (its config has the default window,
-  # 64) is measured beyond the Orthros model's window, 8.
+  # A separate dense teacher checkpoint whose config says window 64 is
+  # measured beyond the Orthros model's window, 8.
   dense = cfg.replace(attention={'kind': 'dense', 'window': 64})
   save_params(str(tmp_path / 'teacher'), params, dense, step=1)
   with_teacher = ablation.run(str(tmp_path / 'ckpt'),
