@@ -31,7 +31,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # feature_dim 64: hedgehog features [softmax(u), softmax(-u)] of a learned
   # 64-wide projection u (F = 128). Near the identity initialisation every
   # far token gets phi_q.phi_k of about 2/feature_dim, so at 384 tokens and
-  # 16 the linear part outweighs the 32-token window (gamma 0.1) more than
+  # 16 the linear part outweighs a 32-token window (gamma 0.1) more than
   # 10x wherever the teacher attends locally. Measured on the demo teacher
   # at W = 32:
   # held-out transfer MSE after stage 1 2.4x lower than before it with 16
@@ -73,9 +73,12 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # on plain text, which otherwise trains only exact attention), through
   # LoRA on q/k/v/o (lora_rank > 0) or a full finetune (lora_rank 0), plus
   # kl_weight x KL to the teacher on the answers, plus hidden_weight x the
-  # MSE between every layer's attention input in the student (through the
-  # split) and in the frozen teacher over all tokens: the KV cache decode
-  # reads is projected from these. At W = 128 (greedy needle at 384 tokens,
+  # MSE between each layer's attention input in the student (through the
+  # split) and in the frozen teacher over all tokens, summed over layers:
+  # the KV cache decode reads is projected from these. In a full finetune
+  # either term keeps a frozen teacher copy in the stage-2 state, so
+  # turning them on or off needs a fresh workdir (a resume would refuse
+  # the different state). At W = 128 (greedy needle at 384 tokens,
   # 60 examples) hidden_weight 0 / 1 / 10 gave 76.7 / 80.0 / 81.7%: within
   # the noise, kept at 1. The tiny default is a full finetune:
   # on the committed (needle-trained) teacher, LoRA r=8 for 60 steps kept

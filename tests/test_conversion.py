@@ -87,14 +87,18 @@ def test_hidden_distillation_term():
                                     'chunk_size': 4, 'feature_dim': 4})
   base = orthros_params(params, wide)
 
+  compiled = {}
+
   def metrics(config, p, split_mode='random'):
-    obj = finetune_objective(config, split_mode=split_mode,
-                             hidden_weight=1.0, kl_weight=1.0)
-    loss, m = jax.jit(obj)(p, batch, rng)
+    if (config, split_mode) not in compiled:
+      compiled[config, split_mode] = jax.jit(finetune_objective(
+          config, split_mode=split_mode, hidden_weight=1.0, kl_weight=1.0))
+    loss, m = compiled[config, split_mode](p, batch, rng)
     return float(loss), {k: float(v) for k, v in m.items()}
 
-  # W >= T: prefill is exact softmax, so the student is the teacher.
-  loss, m = metrics(wide, {'base': base, 'lora': {}})
+  # W >= T: prefill is exact softmax, so the student is the teacher (here
+  # an explicit frozen copy of it; the narrow case below reads 'base').
+  loss, m = metrics(wide, {'base': base, 'lora': {}, 'teacher': params})
   assert m['hidden_mse'] < 1e-10 and abs(m['kl']) < 1e-6
   np.testing.assert_allclose(loss, m['loss'] + m['kl'] + m['hidden_mse'],
                              rtol=1e-6)
@@ -112,16 +116,23 @@ def test_hidden_distillation_term():
   valid = np.cumsum(w[:, ::-1], axis=1)[:, ::-1] > 0
   want = (c - 1) ** 2 * np.mean(x1 ** 2, -1)[valid].mean()
   np.testing.assert_allclose(m['hidden_mse'], want, rtol=1e-4)
-  # A short window: the prefill differs from the teacher, layer 0 (the
-  # embedding) does not; padded positions never count.
+  # A short window: the prefill differs from the teacher. Split 'none'
+  # runs the prefill formula everywhere, so padded positions differ too,
+  # yet never count: new padding content leaves the value as it was, while
+  # the same content as real tokens (weights extended) changes it.
   narrow = TEACHER.replace(attention={'kind': 'orthros', 'window': 2,
                                       'chunk_size': 4, 'feature_dim': 4})
   p = {'base': orthros_params(params, narrow), 'lora': {}}
-  _, m = metrics(narrow, p, split_mode='prompt')
+  _, m = metrics(narrow, p, split_mode='none')
   assert m['hidden_mse'] > 1e-4
   batch['inputs'] = batch['inputs'].at[1, -2:].set(7)  # padding content
-  _, m2 = metrics(narrow, p, split_mode='prompt')
+  _, m2 = metrics(narrow, p, split_mode='none')
   np.testing.assert_allclose(m2['hidden_mse'], m['hidden_mse'], rtol=1e-6)
+  padded = dict(batch)
+  batch = dict(batch, weights=batch['weights'].at[1, -1].set(1.0))
+  _, m3 = metrics(narrow, p, split_mode='none')
+  assert abs(m3['hidden_mse'] - m2['hidden_mse']) > 1e-6
+  batch = padded
   # No gradient reaches the frozen teacher copy.
   obj = finetune_objective(narrow, split_mode='prompt', hidden_weight=1.0)
   grads = jax.grad(lambda q: obj(q, batch, rng)[0])(

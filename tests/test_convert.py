@@ -266,6 +266,7 @@ def test_full_finetune_and_kl(teacher_dir, tmp_path):
   c.stage2.lora_rank = 0
   c.stage2.kl_weight = 0.5
   c.stage2.hidden_weight = 1.0
+  c.stage2.weight_decay = 0.1
   c.stage2.split_mode = 'random'
   report = pipeline.convert(c, tmp_path)
   assert report['conversion']['stage2']['method'] == 'full finetune'
@@ -277,6 +278,12 @@ def test_full_finetune_and_kl(teacher_dir, tmp_path):
   rows = [json.loads(l) for l in open(tmp_path / 'stage2' / 'metrics.jsonl')]
   assert all('kl' in r and 'hidden_mse' in r for r in rows if 'loss' in r)
   assert report['conversion']['stage2']['hidden_weight'] == 1.0
+  # The distillation terms read a frozen copy of the teacher, which neither
+  # gradients nor weight decay move.
+  state2, _, _ = ckpt_lib.load_params(tmp_path / 'stage2')
+  for a, b in zip(jax.tree.leaves(state2['teacher']),
+                  jax.tree.leaves(teacher)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_convert_errors(teacher_dir, tmp_path):
@@ -306,6 +313,8 @@ def test_convert_errors(teacher_dir, tmp_path):
     run(stage2__warmup_steps=4)
   with pytest.raises(ValueError, match='lora_rank'):
     run(stage2__lora_rank=-1)
+  with pytest.raises(ValueError, match='hidden_weight=-1.0'):
+    run(stage2__hidden_weight=-1.0)
   c = _convert_config(teacher_dir)
   c.stage2.lora_rnak = 4
   with pytest.raises(ValueError, match='lora_rnak'):

@@ -10,10 +10,11 @@ Stage 2, phase-aware finetune: params are {'base': Orthros params, 'lora':
 adapters}; the forward pass uses `merge_lora(base, lora)` with the
 per-example split of `split_mode`, so inference's prefill/decode hand-off is
 what trains. With TrainConfig.trainable=('lora',) the base stays frozen;
-with ('base', 'lora') everything but a frozen teacher copy trains (a full
-finetune). Optional terms pull the student towards the dense teacher: a KL
-on the exact positions' distribution, and an MSE on every layer's attention
-input over the whole sequence (what the KV cache is projected from).
+with ('base',) (or None when there is no teacher copy) everything but a
+frozen teacher copy trains (a full finetune). Optional terms pull the
+student towards the dense teacher: a KL on the exact positions'
+distribution, and the MSE of every layer's attention input over the whole
+sequence (what the KV cache is projected from), summed over layers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ from orthros_jax.training import loss as loss_lib
 from orthros_jax.training.step import make_split
 
 
+def real_tokens(weights: jax.Array) -> jax.Array:
+  """[B, T] float32, 1 on every real token: everything up to the last
+  weighted target of each row; right padding (after it) is 0."""
+  return (jnp.cumsum(weights[:, ::-1], axis=1)[:, ::-1] > 0).astype(
+      jnp.float32)
+
+
 def transfer_objective(config: ModelConfig):
   """Stage 1: (params, batch, rng) -> (sum of per-layer MSEs, metrics)."""
   teacher = config.replace(attention={'kind': 'dense'})
@@ -39,11 +47,8 @@ def transfer_objective(config: ModelConfig):
     tokens = batch['inputs']
     inputs, outputs = teacher_attention_io(
         teacher, jax.lax.stop_gradient(params), tokens)
-    # Every real token counts; right padding (id 0 after the last weighted
-    # target) is excluded through the loss weights' extent.
-    valid = (jnp.cumsum(batch['weights'][:, ::-1], axis=1)[:, ::-1] > 0)
-    loss, per_layer = transfer_loss(params, config, inputs, outputs,
-                                    valid.astype(jnp.float32))
+    valid = real_tokens(batch['weights'])
+    loss, per_layer = transfer_loss(params, config, inputs, outputs, valid)
     metrics = {f'mse/layer_{i}': per_layer[i]
                for i in range(config.num_layers)}
     return loss, dict(metrics, tokens=jnp.sum(valid))
@@ -73,8 +78,8 @@ def finetune_objective(config: ModelConfig, *, split_mode: str = 'prompt',
 
   Next-token loss on the weighted (answer) positions with the split of
   `split_mode`; plus kl_weight * KL(teacher || student) on the same
-  positions; plus hidden_weight * the mean squared error between every
-  layer's attention input in the student (through the split: the prefill
+  positions; plus hidden_weight * the sum over layers of the mean squared
+  error between the layer's attention input in the student (through the split: the prefill
   part is what fills the KV cache) and in the teacher, over every real
   token. The last term is what decode depends on: the cache holds K and V
   projected from exactly these inputs, and the answer-only loss reaches
@@ -110,10 +115,7 @@ def finetune_objective(config: ModelConfig, *, split_mode: str = 'prompt',
       loss = loss + kl_weight * kl
       metrics = dict(metrics, kl=kl)
     if hidden_weight > 0:
-      # Every real token: right padding (id 0 after the last weighted
-      # target) is excluded through the loss weights' extent.
-      valid = (jnp.cumsum(batch['weights'][:, ::-1], axis=1)[:, ::-1] > 0)
-      valid = valid.astype(jnp.float32)
+      valid = real_tokens(batch['weights'])
       err = jnp.mean(jnp.square(hidden - t_hidden), axis=-1)  # [L, B, T]
       per_layer = (jnp.sum(err * valid, axis=(1, 2))
                    / jnp.maximum(jnp.sum(valid), 1.0))
