@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from orthros_jax.config import ModelConfig
 from orthros_jax.conversion.lora import merge_lora
+from orthros_jax.conversion.transfer import capture_layers
 from orthros_jax.conversion.transfer import teacher_attention_io
 from orthros_jax.conversion.transfer import transfer_loss
 from orthros_jax.model import Transformer
@@ -58,16 +59,9 @@ def transfer_objective(config: ModelConfig):
 
 def _attention_inputs(config: ModelConfig, params, tokens, split=None):
   """(logits, [L, B, T, E] float32): each layer's attention input (the
-  normed residual stream its q/k/v projections read) and the logits, from
-  one forward pass with the given prefill/decode split."""
-  (logits, _), state = Transformer(config).apply(
-      {'params': params}, tokens, phase='forward', split=split,
-      capture_intermediates=lambda mdl, _: mdl.name == 'input_norm',
-      mutable=['intermediates'])
-  inter = state['intermediates']
-  xs = [inter[f'layers_{i}']['input_norm']['__call__'][0]
-        for i in range(config.num_layers)]
-  return logits, jnp.stack(xs).astype(jnp.float32)
+  normed residual stream its q/k/v projections read) and the logits."""
+  logits, io = capture_layers(config, params, tokens, ('input_norm',), split)
+  return logits, io['input_norm']
 
 
 def finetune_objective(config: ModelConfig, *, split_mode: str = 'prompt',

@@ -31,6 +31,27 @@ def is_transfer_param(path: tuple) -> bool:
   return any(n in TRANSFER_PARAMS for n in names)
 
 
+def capture_layers(config: ModelConfig, params: dict, tokens: Array,
+                   names: tuple[str, ...], split=None) -> tuple[Array, dict]:
+  """(logits, {name: [L, B, T, E] float32}): the output of each layer's
+  submodule `name` ('input_norm': the attention input, 'attn': the
+  attention output) in one forward pass with the given prefill/decode
+  split."""
+  (logits, _), state = Transformer(config).apply(
+      {'params': params}, tokens, phase='forward', split=split,
+      capture_intermediates=lambda mdl, _: mdl.name in names,
+      mutable=['intermediates'])
+  inter = state['intermediates']
+  out = {}
+  for name in names:
+    xs = [inter[f'layers_{i}'][name]['__call__'][0]
+          for i in range(config.num_layers)]
+    # Attention returns (y, cache): keep y.
+    xs = [x[0] if isinstance(x, tuple) else x for x in xs]
+    out[name] = jnp.stack(xs).astype(jnp.float32)
+  return logits, out
+
+
 def teacher_attention_io(teacher: ModelConfig, params: dict,
                          tokens: Array) -> tuple[Array, Array]:
   """Each layer's attention input and output in the dense teacher.
@@ -39,16 +60,8 @@ def teacher_attention_io(teacher: ModelConfig, params: dict,
   """
   if teacher.is_orthros:
     teacher = teacher.replace(attention={'kind': 'dense'})
-  _, state = Transformer(teacher).apply(
-      {'params': params}, tokens, phase='forward',
-      capture_intermediates=lambda mdl, _: mdl.name in ('input_norm', 'attn'),
-      mutable=['intermediates'])
-  inter = state['intermediates']
-  layers = range(teacher.num_layers)
-  inputs = [inter[f'layers_{i}']['input_norm']['__call__'][0] for i in layers]
-  outputs = [inter[f'layers_{i}']['attn']['__call__'][0][0] for i in layers]
-  f32 = lambda xs: jnp.stack(xs).astype(jnp.float32)
-  return f32(inputs), f32(outputs)
+  _, io = capture_layers(teacher, params, tokens, ('input_norm', 'attn'))
+  return io['input_norm'], io['attn']
 
 
 def transfer_loss(params: dict, config: ModelConfig, inputs: Array,
