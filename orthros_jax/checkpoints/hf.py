@@ -356,25 +356,46 @@ def load_hf_params(path: str | os.PathLike, config: ModelConfig) -> Params:
         f'{config.num_layers}-layer model: {_listing(unexpected)}. Check '
         'num_hidden_layers, attention_bias and mlp_bias in config.json.')
 
-  param_dtype = jnp.dtype(config.param_dtype)
-  params: Params = {}
   with contextlib.ExitStack() as stack:
     handles = {}
-    for spec in specs:
-      file = files[spec.hf_name]
+
+    def read(name):
+      file = files[name]
       if file not in handles:
         handles[file] = stack.enter_context(safe_open(file, framework='numpy'))
-      handle = handles[file]
-      shape = tuple(handle.get_slice(spec.hf_name).get_shape())
-      if shape != spec.hf_shape:
-        raise ValueError(
-            f'tensor {spec.hf_name!r} has shape {shape} but config.json '
-            f'implies {spec.hf_shape}: the weights and config.json disagree.')
-      x = handle.get_tensor(spec.hf_name)
-      if spec.transpose:
-        x = x.T
-      x = x.reshape(spec.shape).astype(param_dtype)
-      _set_path(params, spec.path, jnp.asarray(x))
+      return handles[file]
+
+    return params_from_tensors(
+        config, shape_of=lambda n: tuple(read(n).get_slice(n).get_shape()),
+        read=lambda n: read(n).get_tensor(n), source='config.json')
+
+
+def tensor_names(config: ModelConfig) -> list[str]:
+  """The HF tensor names a checkpoint for `config` must provide."""
+  return [s.hf_name for s in _param_specs(config)]
+
+
+def params_from_tensors(config: ModelConfig, *, shape_of, read,
+                        source: str) -> Params:
+  """The Flax param tree for `config` from HF-named tensors.
+
+  `shape_of(name)` and `read(name)` give one tensor's shape and value
+  (numpy); `source` names what the config came from, for the error when a
+  shape disagrees with it. Shared by the safetensors and GGUF importers.
+  """
+  param_dtype = jnp.dtype(config.param_dtype)
+  params: Params = {}
+  for spec in _param_specs(config):
+    shape = shape_of(spec.hf_name)
+    if shape != spec.hf_shape:
+      raise ValueError(
+          f'tensor {spec.hf_name!r} has shape {shape} but {source} '
+          f'implies {spec.hf_shape}: the weights and {source} disagree.')
+    x = read(spec.hf_name)
+    if spec.transpose:
+      x = x.T
+    x = x.reshape(spec.shape).astype(param_dtype)
+    _set_path(params, spec.path, jnp.asarray(x))
   return params
 
 
@@ -403,9 +424,16 @@ def load_hf(path: str | os.PathLike,
   config = config_from_hf(hf_config, attention, dtype=dtype,
                           param_dtype=param_dtype)
   params = load_hf_params(path, config)
+  return config, add_orthros_params(config, params, rng)
+
+
+def add_orthros_params(config: ModelConfig, params: Params,
+                       rng: jax.Array | None = None) -> Params:
+  """`params` plus fresh feature-map and window params when `config` is an
+  Orthros model (key `rng`, default PRNGKey(0)); dense params as they are."""
   if config.is_orthros:
     # Imported lazily: model.py imports attention code this loader never needs.
     from orthros_jax.model import init_orthros_params
     rng = jax.random.PRNGKey(0) if rng is None else rng
     _merge(params, init_orthros_params(config, rng))
-  return config, params
+  return params

@@ -61,6 +61,21 @@ _BOS_CANDIDATES = ('<|begin_of_text|>', '<s>', '<bos>', '[CLS]', '<|startoftext|
 _EOS_CANDIDATES = ('<|end_of_text|>', '<|endoftext|>', '</s>', '<eos>', '[SEP]', '<|im_end|>')
 
 
+def _chat_template(directory: str) -> str | None:
+  """The Jinja chat template of tokenizer_config.json (or chat_template.jinja)."""
+  path = os.path.join(directory, 'tokenizer_config.json')
+  if os.path.isfile(path):
+    with open(path, encoding='utf-8') as f:
+      template = json.load(f).get('chat_template')
+    if isinstance(template, str):
+      return template
+  path = os.path.join(directory, 'chat_template.jinja')
+  if os.path.isfile(path):
+    with open(path, encoding='utf-8') as f:
+      return f.read()
+  return None
+
+
 def _special_from_config(directory: str) -> dict[str, str]:
   """bos/eos token strings from tokenizer_config.json or special_tokens_map.json, if present."""
   found = {}
@@ -110,6 +125,8 @@ class HFTokenizer:
       raise ValueError(
           f'could not find an end-of-sequence token in {file!r}; pass eos_token=<a token of '
           'this vocabulary> (documents are separated and answers terminated by it).')
+    self.chat_template = _chat_template(os.path.dirname(file))
+    self._special = config
 
   def _lookup(self, field: str, token: str | None, candidates: Sequence[str]) -> int | None:
     if token is not None:
@@ -128,6 +145,31 @@ class HFTokenizer:
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def apply_chat_template(self, messages: Sequence[dict[str, str]], *,
+                          add_generation_prompt: bool = False) -> str:
+    """The conversation rendered with the model's own chat template.
+
+    messages: [{'role': 'system' | 'user' | 'assistant', 'content': str}].
+    Rendered as transformers does (sandboxed Jinja, trim_blocks and
+    lstrip_blocks); `encode` of the result gives the prompt ids, the special
+    tokens it spells included.
+    """
+    if self.chat_template is None:
+      raise ValueError(f'{self.path!r} has no chat template (tokenizer_config.json '
+                       "'chat_template' or chat_template.jinja beside it).")
+    import jinja2  # pylint: disable=g-import-not-at-top
+    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
+
+    def raise_exception(message):
+      raise jinja2.TemplateError(message)
+
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals['raise_exception'] = raise_exception
+    return env.from_string(self.chat_template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt,
+        bos_token=self._special.get('bos_token', ''),
+        eos_token=self._special.get('eos_token', ''))
 
   def __repr__(self) -> str:
     return f'HFTokenizer({self.path!r})'
