@@ -48,6 +48,10 @@ class AttentionConfig:
   impl: 'auto' | 'xla' | 'pallas' kernel choice for prefill and decode;
     'none' removes attention (y = q; the speed benchmarks' ceiling only).
   window_init: initial gamma = sigmoid(g) of the window weight.
+  sinks: N >= 0, the first N tokens of the sequence stay in every prefill
+    query's exact set (attention sinks, as StreamingLLM) and never enter the
+    linear part or its state; 0 = none. XLA prefill only (the Pallas prefill
+    kernel has no sinks: impl='pallas' raises, 'auto' uses XLA).
   """
 
   kind: AttentionKind = 'dense'
@@ -58,6 +62,7 @@ class AttentionConfig:
   exact_tail: int = 1
   impl: Impl = 'auto'
   window_init: float = 0.1
+  sinks: int = 0
 
   def __post_init__(self):
     _check(self.kind in _KINDS, 'attention.kind', self.kind, f'one of {_KINDS}')
@@ -74,6 +79,8 @@ class AttentionConfig:
     _check(self.impl in _IMPLS, 'attention.impl', self.impl, f'one of {_IMPLS}')
     _check(0.0 < self.window_init < 1.0, 'attention.window_init',
            self.window_init, 'a number strictly between 0 and 1')
+    _check(isinstance(self.sinks, int) and self.sinks >= 0,
+           'attention.sinks', self.sinks, 'an integer >= 0 (0 = no sinks)')
 
   @property
   def state_dim(self) -> int:

@@ -192,7 +192,8 @@ class Attention(nn.Module):
 
   def _prefill_fn(self, batch: int, *, local: bool = False):
     a = self.config.attention
-    fn = dispatch.prefill_impl(a.impl, chunk_size=a.chunk_size)
+    fn = dispatch.prefill_impl(a.impl, chunk_size=a.chunk_size,
+                               sinks=a.sinks)
     axes = self._mesh_axes(batch)
     if (axes is None or local or fn in dispatch.XLA_IMPLS or
         fn in dispatch.NONE_IMPLS):
@@ -231,8 +232,16 @@ class Attention(nn.Module):
       return exact_fn(q, k, v, causal=True)
     a = cfg.attention
     phi_q, phi_k, gamma = self._orthros_inputs(q, k)
+    extra = {}
+    if a.sinks:
+      b, t = q.shape[:2]
+      n = min(a.sinks, t)
+      extra['sinks'] = attn_lib.Sinks(k[:, :n], v[:, :n],
+                                      jnp.ones((b, n), bool),
+                                      jnp.zeros((b,), jnp.int32))
     y, _ = self._prefill_fn(q.shape[0])(
-        q, k, v, phi_q, phi_k, gamma, window=a.window, chunk_size=a.chunk_size)
+        q, k, v, phi_q, phi_k, gamma, window=a.window, chunk_size=a.chunk_size,
+        **extra)
     if split is None:
       return y
     b, t = q.shape[:2]
@@ -261,11 +270,22 @@ class Attention(nn.Module):
       pos = start[:, None] - a.window + jnp.arange(a.window)[None, :]
       pk, pv = cache_lib.gather_kv(cache.k, cache.v, pos)
       prefix = attn_lib.WindowPrefix(pk, pv, self.key_features(pk), pos >= 0)
+    extra = {}
+    if a.sinks:
+      n = min(a.sinks, k_cache.shape[1])
+      extra['sinks'] = attn_lib.Sinks(
+          k_cache[:, :n], v_cache[:, :n],
+          jnp.arange(n)[None, :] < new_lengths[:, None], start)
     fn = self._prefill_fn(b)
     axes = self._mesh_axes(b)
     if (axes is not None and axes[3] is not None and
         fn not in dispatch.NONE_IMPLS and
         -(-t // axes[0].mesh.shape[axes[3]]) >= a.window):
+      if a.sinks:
+        raise ValueError(
+            f'attention.sinks={a.sinks}: the context-parallel prefill (mesh '
+            "axis 'sequence' > 1) has no sink tokens; set sinks=0 or use a "
+            'mesh without a sequence axis.')
       # Context parallel; a prompt too short to give every shard a window
       # of tokens (a short chat turn) takes the ordinary path.
       part, batch_axes, head_axes, seq_axis = axes
@@ -276,7 +296,8 @@ class Attention(nn.Module):
     y, state = fn(
         q, k, v, phi_q, phi_k, gamma, window=a.window,
         chunk_size=a.chunk_size, lengths=lengths,
-        initial_state=attn_lib.LinearState(cache.S, cache.z), prefix=prefix)
+        initial_state=attn_lib.LinearState(cache.S, cache.z), prefix=prefix,
+        **extra)
     return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths,
                             S=state.S, z=state.z)
 
@@ -289,13 +310,14 @@ class Attention(nn.Module):
     y = self._decode_fn(t, b)(q, k_cache, v_cache, new_lengths)
     new_cache = cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     if cfg.is_orthros:
-      # Tokens at old_len - W + i leave the window; fold them into (S, z).
+      # Tokens at old_len - W + i leave the window; fold them into (S, z)
+      # (sinks never: they stay exact).
       w = cfg.attention.window
       pos = cache.lengths[:, None] - w + jnp.arange(t)[None, :]
       fk, fv = cache_lib.gather_kv(k_cache, v_cache, pos)
       state = attn_lib.fold_into_state(
           attn_lib.LinearState(cache.S, cache.z), self.key_features(fk), fv,
-          pos >= 0)
+          pos >= cfg.attention.sinks)
       new_cache = new_cache.replace(S=state.S, z=state.z)
     return y, new_cache
 

@@ -111,12 +111,15 @@ def decode_attention(q, k_cache, v_cache, lengths) -> np.ndarray:
 # ----------------------------------------------------------------------------
 
 
-def orthros_prefill(q, k, v, phi_q, phi_k, gamma, *, window, lengths=None):
+def orthros_prefill(q, k, v, phi_q, phi_k, gamma, *, window, lengths=None,
+                    sinks=0):
   """Section 3 prefill formula, one weight per (query, key).
 
   q [B,T,H,D], k/v [B,T,K,D], phi_q/phi_k [B,T,H,F], gamma [H].
   Returns (y [B,T,H,D], S [B,H,F,D], z [B,H,F]). Example b uses only its first
-  L = lengths[b] tokens (T if None); y at t >= L is left as NaN.
+  L = lengths[b] tokens (T if None); y at t >= L is left as NaN. Keys
+  j < sinks join every query's exact (window) set and never the linear part
+  or the state.
   """
   q, k, v = _f64(q), _f64(k), _f64(v)
   phi_q, phi_k, gamma = _f64(phi_q), _f64(phi_k), _f64(gamma)
@@ -133,7 +136,7 @@ def orthros_prefill(q, k, v, phi_q, phi_k, gamma, *, window, lengths=None):
       kh = h // group
       for t in range(n):
         keys = np.arange(t + 1)  # causal: j <= t
-        in_window = keys > t - window
+        in_window = (keys > t - window) | (keys < sinks)
         weights = np.zeros(t + 1)
         scores = k[b, :t + 1, kh] @ q[b, t, h] / np.sqrt(d_)
         if in_window.any():
@@ -143,7 +146,7 @@ def orthros_prefill(q, k, v, phi_q, phi_k, gamma, *, window, lengths=None):
         weights[older] = phi_k[b, keys[older], h] @ phi_q[b, t, h]
         den = weights.sum()
         y[b, t, h] = 0.0 if den == 0.0 else (weights @ v[b, :t + 1, kh]) / den
-      for j in range(max(n - window, 0)):  # j < L - W, j >= 0
+      for j in range(sinks, max(n - window, 0)):  # sinks <= j < L - W
         state_s[b, h] += np.outer(phi_k[b, j, h], v[b, j, kh])
         state_z[b, h] += phi_k[b, j, h]
   return y, state_s, state_z

@@ -96,13 +96,24 @@ def run_prefill(x, *, window, chunk_size, lengths=None, **kw):
       lengths=lengths, **kw)
 
 
-def ref_prefill(x, *, window, lengths=None):
+def ref_prefill(x, *, window, lengths=None, sinks=0):
   return ref.orthros_prefill(x['q'], x['k'], x['v'], x['phi_q'], x['phi_k'],
-                             x['gamma'], window=window, lengths=lengths)
+                             x['gamma'], window=window, lengths=lengths,
+                             sinks=sinks)
 
 
-def check_prefill(x, y, state, *, window, lengths=None, tol=1e-5):
-  y_ref, s_ref, z_ref = ref_prefill(x, window=window, lengths=lengths)
+def make_sinks(x, n, ends, starts=None):
+  """attention.Sinks of the first n tokens of x (those before ends[b])."""
+  b = x['k'].shape[0]
+  starts = np.zeros(b, np.int32) if starts is None else np.asarray(starts)
+  valid = np.arange(n)[None, :] < np.asarray(ends)[:, None]
+  return attention.Sinks(jnp.asarray(x['k'][:, :n]), jnp.asarray(x['v'][:, :n]),
+                         jnp.asarray(valid), jnp.asarray(starts, jnp.int32))
+
+
+def check_prefill(x, y, state, *, window, lengths=None, tol=1e-5, sinks=0):
+  y_ref, s_ref, z_ref = ref_prefill(x, window=window, lengths=lengths,
+                                    sinks=sinks)
   b, t = y_ref.shape[:2]
   mask = None if lengths is None else valid_mask(lengths, t, *y_ref.shape[2:])
   assert y.shape == y_ref.shape and y.dtype == x['q'].dtype
@@ -191,6 +202,22 @@ def test_prefill_under_jit_with_traced_lengths():
                   ('q', 'k', 'v', 'phi_q', 'phi_k', 'gamma')),
                 lengths=jnp.asarray(RAGGED, jnp.int32))
   check_prefill(x, y, state, window=7, lengths=RAGGED)
+
+
+@pytest.mark.parametrize('window,sinks,chunk', [(7, 4, 8), (0, 3, 5),
+                                                 (3, 12, 4), (40, 2, 8)])
+def test_prefill_sinks_match_formula(window, sinks, chunk):
+  """The first `sinks` keys join every query's exact set, never (S, z); a
+  row shorter than the sinks (9 < 12) keeps only its own."""
+  x = make_prefill_inputs(13, b=3, t=T, h=4, k_heads=2, d=D, p=P,
+                          fmap='hedgehog', lengths=RAGGED)
+  y, state = run_prefill(x, window=window, chunk_size=chunk, lengths=RAGGED,
+                         sinks=make_sinks(x, sinks, RAGGED))
+  check_prefill(x, y, state, window=window, lengths=RAGGED, sinks=sinks)
+  if window < T:  # sinks change the result wherever they are not in-window
+    y0, _ = run_prefill(x, window=window, chunk_size=chunk, lengths=RAGGED)
+    assert np.abs(np.asarray(y0) - np.asarray(y))[0, window + sinks:].max() \
+        > 1e-3
 
 
 # ----------------------------------------------------------------------------
@@ -293,7 +320,7 @@ def _ref_state_before(x, b, end):
 
 
 def _multi_turn(x, bounds, *, window, chunk_size, prefix_size=None,
-                plain_first=False, seed=0):
+                plain_first=False, seed=0, sinks=0):
   """Prefill x turn by turn; bounds[r][b] is where turn r starts in example b.
 
   Every turn is padded to the same length and gets an initial state and a
@@ -329,6 +356,8 @@ def _multi_turn(x, bounds, *, window, chunk_size, prefix_size=None,
               prefix=_make_prefix(x, starts, prefix_size, rng))
     if r == 0 and plain_first:
       kw = {}
+    if sinks:
+      kw['sinks'] = make_sinks(x, sinks, ends, starts)
     y, state = run_prefill(turn, window=window, chunk_size=chunk_size,
                            lengths=n, **kw)
     y = np.asarray(y)
@@ -363,6 +392,22 @@ def test_continued_prefill_equals_one_piece(case):
   y_ref, s_ref, z_ref = ref_prefill(x, window=window, lengths=total)
   y_ref = y_ref[:, :total.max()]
   mask = valid_mask(total, total.max(), 4, D)
+  assert_close(y, y_ref, mask=mask)
+  assert_close(state.S, s_ref)
+  assert_close(state.z, z_ref)
+
+
+@pytest.mark.parametrize('window,sinks', [(6, 5), (0, 3), (3, 25)])
+def test_continued_prefill_with_sinks_equals_one_piece(window, sinks):
+  """Sinks come from the history in later turns (25: beyond a turn)."""
+  bounds = [np.asarray(bd) for bd in ([0, 0, 0], [3, 15, 9], [11, 16, 24],
+                                      [37, 29, 30])]
+  x = make_prefill_inputs(43, b=3, t=T, h=4, k_heads=2, d=D, p=P,
+                          fmap='hedgehog')
+  y, state = _multi_turn(x, bounds, window=window, chunk_size=4, sinks=sinks)
+  y_ref, s_ref, z_ref = ref_prefill(x, window=window, lengths=bounds[-1],
+                                    sinks=sinks)
+  mask = valid_mask(bounds[-1], T, 4, D)
   assert_close(y, y_ref, mask=mask)
   assert_close(state.S, s_ref)
   assert_close(state.z, z_ref)

@@ -20,9 +20,9 @@ VOCAB = 71
 
 
 def make_config(kind='orthros', feature_map='hedgehog', window=5, chunk=4,
-                **kw):
+                sinks=0, **kw):
   attention = oj.AttentionConfig(kind=kind, feature_map=feature_map,
-                                 window=window, chunk_size=chunk,
+                                 window=window, chunk_size=chunk, sinks=sinks,
                                  feature_dim=4 if feature_map == 'taylor'
                                  else 6)
   base = dict(vocab_size=VOCAB, num_layers=2, embed_dim=24, num_heads=4,
@@ -79,12 +79,14 @@ def test_dense_prefill_then_decode_matches_forward():
   assert np.all(np.asarray(cache[0].lengths) == 19)
 
 
-@pytest.mark.parametrize('feature_map,window,chunk', [
-    ('hedgehog', 5, 4), ('elu', 5, 4), ('relu', 0, 3), ('taylor', 12, 4),
-    ('hedgehog', 0, 3), ('hedgehog', 12, 4)])
+@pytest.mark.parametrize('feature_map,window,chunk,sinks', [
+    ('hedgehog', 5, 4, 0), ('elu', 5, 4, 0), ('relu', 0, 3, 0),
+    ('taylor', 12, 4, 0), ('hedgehog', 0, 3, 0), ('hedgehog', 12, 4, 0),
+    ('hedgehog', 5, 4, 3), ('elu', 0, 3, 2)])
 def test_orthros_prefill_then_decode_matches_split_forward(feature_map, window,
-                                                           chunk):
-  config = make_config(feature_map=feature_map, window=window, chunk=chunk)
+                                                           chunk, sinks):
+  config = make_config(feature_map=feature_map, window=window, chunk=chunk,
+                       sinks=sinks)
   params = init_params(config)
   x = random_tokens(2, (2, 21))
   p = 13
@@ -139,10 +141,12 @@ def test_ragged_prefill_matches_unpadded():
       assert int(layer.lengths[b]) == n
 
 
-@pytest.mark.parametrize('kind', ['dense', 'orthros'])
-def test_prefill_in_two_pieces_equals_one(kind):
-  """Multi-turn: a second prefill continues the first exactly (ragged)."""
-  config = make_config(kind=kind, window=6, chunk=4)
+@pytest.mark.parametrize('kind,sinks', [('dense', 0), ('orthros', 0),
+                                        ('orthros', 4)])
+def test_prefill_in_two_pieces_equals_one(kind, sinks):
+  """Multi-turn: a second prefill continues the first exactly (ragged); with
+  sinks, the second turn reads them from the cache (first turn of 3 < 4)."""
+  config = make_config(kind=kind, window=6, chunk=4, sinks=sinks)
   params = init_params(config)
   first, second = [9, 3], [7, 10]
   x = random_tokens(5, (2, 20))
@@ -172,11 +176,12 @@ def test_prefill_in_two_pieces_equals_one(kind):
                                  rtol=1e-5)
 
 
-@pytest.mark.parametrize('window', [0, 3, 8])
-def test_linear_state_matches_sums_over_cached_keys(window):
+@pytest.mark.parametrize('window,sinks', [(0, 0), (3, 0), (8, 0), (3, 2)])
+def test_linear_state_matches_sums_over_cached_keys(window, sinks):
   """After prefill + decode, (S, z) are the section 3 sums over the cached
-  keys older than the window, so a next-turn prefill continues exactly."""
-  config = make_config(window=window)
+  keys older than the window (sinks excluded), so a next-turn prefill
+  continues exactly."""
+  config = make_config(window=window, sinks=sinks)
   params = init_params(config)
   x = random_tokens(6, (2, 16))
   cache = oj.init_cache(config, 2, 24)
@@ -191,10 +196,10 @@ def test_linear_state_matches_sums_over_cached_keys(window):
       n = int(layer.lengths[b])
       assert n == [13, 7][b]
       old = max(n - window, 0)
-      k = np.repeat(np.asarray(layer.k[b, :old]), g, axis=1)  # [N, H, D]
+      k = np.repeat(np.asarray(layer.k[b, sinks:old]), g, axis=1)  # [N,H,D]
       phi = np.asarray(feature_maps.feature_map('hedgehog', k, w),
                        np.float64)
-      v = np.repeat(np.asarray(layer.v[b, :old], np.float64), g, axis=1)
+      v = np.repeat(np.asarray(layer.v[b, sinks:old], np.float64), g, axis=1)
       s_ref = np.einsum('nhf,nhd->hfd', phi, v)
       np.testing.assert_allclose(layer.S[b], s_ref, atol=1e-5, rtol=1e-5)
       np.testing.assert_allclose(layer.z[b], phi.sum(0), atol=1e-5, rtol=1e-5)
@@ -260,6 +265,7 @@ def test_bad_model_config_names_the_field(kwargs, match):
     (dict(impl='cuda'), 'attention.impl'),
     (dict(window_init=1.5), 'attention.window_init'),
     (dict(exact_tail=-2), 'attention.exact_tail'),
+    (dict(sinks=-1), 'attention.sinks'),
 ])
 def test_bad_attention_config_names_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):

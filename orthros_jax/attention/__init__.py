@@ -5,6 +5,7 @@ hybrid window-softmax + linear prefill of ARCHITECTURE.md section 3.
 """
 
 from orthros_jax.attention.orthros import LinearState
+from orthros_jax.attention.orthros import Sinks
 from orthros_jax.attention.orthros import WindowPrefix
 from orthros_jax.attention.orthros import fold_into_state
 from orthros_jax.attention.orthros import orthros_prefill
@@ -13,6 +14,6 @@ from orthros_jax.attention.softmax import decode_attention
 from orthros_jax.attention.softmax import softmax_attention
 
 __all__ = [
-    'LinearState', 'WindowPrefix', 'decode_attention', 'fold_into_state',
+    'LinearState', 'Sinks', 'WindowPrefix', 'decode_attention', 'fold_into_state',
     'orthros_prefill', 'softmax_attention', 'zero_state',
 ]

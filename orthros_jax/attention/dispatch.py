@@ -100,13 +100,15 @@ def _choose(impl: str, what: str, problem: str | None) -> str:
   return 'pallas'
 
 
-def prefill_impl(impl: str, *, chunk_size: int) -> Callable:
+def prefill_impl(impl: str, *, chunk_size: int, sinks: int = 0) -> Callable:
   """`orthros_prefill` or the Pallas `linear_prefill` (same signature)."""
   if impl == 'none':
     return _no_prefill
   backend = _backend()
   problem = None
-  if backend == 'tpu' and chunk_size % 8:
+  if sinks:
+    problem = f'attention.sinks={sinks}: the Pallas kernel has no sink tokens'
+  elif backend == 'tpu' and chunk_size % 8:
     problem = f'chunk_size={chunk_size} is not a multiple of 8 (TPU tiling)'
   elif backend == 'gpu' and not _is_pow2(chunk_size):
     problem = f'chunk_size={chunk_size} is not a power of two (Triton)'

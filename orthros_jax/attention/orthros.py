@@ -18,6 +18,13 @@ contribution is the carried float32 linear state (S, z). Inside the block the
 per-pair distance decides window softmax vs linear. After a chunk, the oldest
 buffered chunk leaves the block and is folded into (S, z).
 Cost: O(T * ((nb + 1) * C * (D + F) + F * D)) per head, linear in T.
+
+Attention sinks (optional, `sinks=Sinks(...)`, StreamingLLM): the first N
+tokens of the sequence stay in every query's exact set, window or not:
+  sink keys    j < N        :  w_tj = gamma_h * exp(q_t.k_j / sqrt(D) - m_t)
+with m_t the maximum over window and sink scores; they never enter the
+linear part or (S, z). Pretrained models park attention on the first tokens;
+without them a short window renormalises that mass onto local tokens.
 """
 
 from __future__ import annotations
@@ -53,6 +60,19 @@ class WindowPrefix(NamedTuple):
   valid: Array
 
 
+class Sinks(NamedTuple):
+  """The first N tokens of the whole sequence (attention sinks).
+
+  k, v: [B, N, K, D]; valid: [B, N] bool (False past a sequence shorter than
+  N); start: [B] int32, the absolute position of the first new query (the
+  history length of a continued prefill, 0 for a fresh prompt).
+  """
+  k: Array
+  v: Array
+  valid: Array
+  start: Array
+
+
 def zero_state(batch: int, num_heads: int, feature_dim: int,
                head_dim: int) -> LinearState:
   return LinearState(
@@ -79,7 +99,8 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
                     gamma: Array, *, window: int, chunk_size: int,
                     lengths: Array | None = None,
                     initial_state: LinearState | None = None,
-                    prefix: WindowPrefix | None = None
+                    prefix: WindowPrefix | None = None,
+                    sinks: Sinks | None = None
                     ) -> tuple[Array, LinearState]:
   """Hybrid prefill of T tokens; returns outputs and the linear state.
 
@@ -95,10 +116,13 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
     initial_state: state of every token before `prefix` (continued prefill).
     prefix: the tokens just before the new ones (at least the last W-1 of the
       history for an exact continuation).
+    sinks: the first N tokens of the sequence, in every query's exact set and
+      never in the linear part (None: no sinks).
 
   Returns:
     y [B, T, H, D] in q.dtype and LinearState with the sums over every token
-    (history included) at positions < L - W, L the valid length.
+    (history included) at positions < L - W, L the valid length, sinks
+    excluded.
   """
   if window < 0 or chunk_size < 1:
     raise ValueError(f'window={window} must be >= 0 and chunk_size='
@@ -138,6 +162,14 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
   k, v, phi_k = zero(k), zero(v), zero(phi_k)
   # Tokens that end up older than the window of the last valid token.
   fold = valid & (jnp.arange(n)[None, :] < (p + lengths - window)[:, None])
+  if sinks is not None:
+    num_sinks = sinks.k.shape[1]
+    # Absolute position of index i of the (prefix + new) sequence.
+    offset = jnp.asarray(sinks.start, jnp.int32) - p  # [B]
+    not_sink = (offset[:, None] + jnp.arange(n)[None, :]) >= num_sinks
+    fold = fold & not_sink
+    sink_k = jnp.where(sinks.valid[:, :, None, None], f32(sinks.k), 0.0)
+    sink_v = jnp.where(sinks.valid[:, :, None, None], f32(sinks.v), 0.0)
 
   c = chunk_size
   num_chunks = -(-n // c)
@@ -147,10 +179,13 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
     x = jnp.pad(x, [(0, 0), (0, num_chunks * c - n)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(b, num_chunks, c, *x.shape[2:]), 1, 0)
 
-  xs = tuple(map(chunked, (q, k, v, phi_q, phi_k, valid, fold)))
+  # Linear-eligible keys: every key, sinks excepted.
+  linear_ok = valid if sinks is None else valid & not_sink
+  xs = tuple(map(chunked, (q, k, v, phi_q, phi_k, valid, fold, linear_ok)))
+  xs = xs + (jnp.arange(num_chunks),)
   buffer = (jnp.zeros((b, nb * c, kh, d)), jnp.zeros((b, nb * c, kh, d)),
             jnp.zeros((b, nb * c, h, f)), jnp.zeros((b, nb * c), bool),
-            jnp.zeros((b, nb * c), bool))
+            jnp.zeros((b, nb * c), bool), jnp.zeros((b, nb * c), bool))
 
   # Distance (query - key) inside a chunk's key block, and what it means.
   dist = (nb * c + jnp.arange(c)[:, None]) - jnp.arange((nb + 1) * c)[None, :]
@@ -160,25 +195,44 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
 
   def step(carry, chunk):
     state, buf = carry
-    qc, kc, vc, phiq_c, phik_c, valid_c, fold_c = chunk
-    kb, vb, phikb, validb, foldb = (
+    qc, kc, vc, phiq_c, phik_c, valid_c, fold_c, lin_c, index = chunk
+    kb, vb, phikb, validb, foldb, linb = (
         jnp.concatenate([old, new], axis=1)
-        for old, new in zip(buf, (kc, vc, phik_c, valid_c, fold_c)))
+        for old, new in zip(buf, (kc, vc, phik_c, valid_c, fold_c, lin_c)))
+    qg = qc.reshape(b, c, kh, h // kh, d)
+    scale = jnp.sqrt(jnp.float32(d))
     # Window softmax part: [B, H, C, S].
-    scores = jnp.einsum('bckgd,bskd->bkgcs', qc.reshape(b, c, kh, h // kh, d),
-                        kb).reshape(b, h, c, -1) / jnp.sqrt(jnp.float32(d))
+    scores = jnp.einsum('bckgd,bskd->bkgcs', qg, kb).reshape(b, h, c, -1)
+    scores = scores / scale
     win = in_window[None, None] & validb[:, None, None, :]
     scores = jnp.where(win, scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+      # Sink keys older than the query's window (younger ones are in it).
+      tq = offset[:, None] + index * c + jnp.arange(c)[None, :]  # [B, C]
+      j = jnp.arange(num_sinks)
+      sink_on = (sinks.valid[:, None, :] &
+                 (tq[:, :, None] - j[None, None, :] >= window) &
+                 (j[None, None, :] <= tq[:, :, None]))  # [B, C, N]
+      sink_scores = jnp.einsum('bckgd,bnkd->bkgcn', qg, sink_k).reshape(
+          b, h, c, num_sinks) / scale
+      sink_scores = jnp.where(sink_on[:, None], sink_scores, -jnp.inf)
+      m = jnp.maximum(m, jnp.max(sink_scores, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     weights = gamma[None, :, None, None] * jnp.exp(scores - m)
     # Linear part for older keys inside the block.
     lin = jnp.einsum('bchf,bshf->bhcs', phiq_c, phikb)
-    older = is_older[None, None] & validb[:, None, None, :]
+    older = is_older[None, None] & linb[:, None, None, :]
     weights = weights + jnp.where(older, lin, 0.0)
     # Numerator and denominator: block keys plus the carried state.
     wg = weights.reshape(b, kh, h // kh, c, -1)
     num = jnp.einsum('bkgcs,bskd->bckgd', wg, vb).reshape(b, c, h, d)
+    if sinks is not None:
+      sink_w = gamma[None, :, None, None] * jnp.exp(sink_scores - m)
+      num = num + jnp.einsum('bkgcn,bnkd->bckgd',
+                             sink_w.reshape(b, kh, h // kh, c, num_sinks),
+                             sink_v).reshape(b, c, h, d)
+      weights = jnp.concatenate([weights, sink_w], axis=-1)
     num = num + jnp.einsum('bchf,bhfd->bchd', phiq_c, state.S)
     den = jnp.sum(weights, axis=-1).transpose(0, 2, 1)  # [B, C, H]
     den = den + jnp.einsum('bchf,bhf->bch', phiq_c, state.z)
@@ -187,7 +241,7 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
     # The oldest chunk of the block leaves it: fold it into the state.
     leaving = tuple(x[:, :c] for x in (kb, vb, phikb, validb, foldb))
     state = fold_into_state(state, leaving[2], leaving[1], leaving[4])
-    buf = tuple(x[:, c:] for x in (kb, vb, phikb, validb, foldb))
+    buf = tuple(x[:, c:] for x in (kb, vb, phikb, validb, foldb, linb))
     return (state, buf), y
 
   (state, buf), ys = jax.lax.scan(step, (state, buffer), xs)
