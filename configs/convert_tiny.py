@@ -52,10 +52,14 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   batch = 4 if smoke else 16
   tasks = {'mqar': 1.0} if smoke else TASKS
   # Conversion data: the teacher's distribution, a seed it never saw
-  # (stage 2 uses seed + 1).
+  # (stage 2 uses seed + 1). For local text instead (make_dataset's
+  # arguments; tasks and task_options only apply to synthetic data):
+  # --config.data.source=text --config.data.paths=/path/to/corpus (files,
+  # directories or globs of .txt/.jsonl; text_field: the jsonl field).
   c.data = dict(source='synthetic', seq_len=seq_len, batch_size=batch,
                 seed=2, tasks=tasks, tokenizer='byte',
-                task_options={} if smoke else TASK_OPTIONS)
+                task_options={} if smoke else TASK_OPTIONS, paths='',
+                text_field='text')
   # Stage 1: attention transfer; only phi_q, phi_k, window_logit train.
   # window_logit learns 30x faster: Adam moves a param about one learning
   # rate per step, and gamma = sigmoid(window_logit) must go from its 0.1
@@ -67,25 +71,29 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                   weight_decay=0.0, log_every=1 if smoke else 5,
                   checkpoint_every=2 if smoke else 20, progress=not smoke)
   # Stage 2: next-token loss on the answers with a per-example prefill/
-  # decode split ('prompt': the inference boundary, prompt minus the exact
-  # tail through prefill and the answer decoded; 'random': uniform in
-  # [0, T]; 'prompt_or_random': 'prompt' where there is a prompt, 'random'
-  # on plain text, which otherwise trains only exact attention), through
-  # LoRA on q/k/v/o (lora_rank > 0) or a full finetune (lora_rank 0), plus
-  # kl_weight x KL to the teacher on the answers, plus hidden_weight x the
-  # MSE between each layer's attention input in the student (through the
-  # split) and in the frozen teacher over all tokens, summed over layers:
-  # the KV cache decode reads is projected from these. In a full finetune
-  # either term keeps a frozen teacher copy in the stage-2 state, so
-  # turning them on or off needs a fresh workdir (a resume would refuse
-  # the different state). At W = 128 (greedy needle at 384 tokens,
-  # 60 examples) hidden_weight 0 / 1 / 10 gave 76.7 / 80.0 / 81.7%: within
-  # the noise, kept at 1. The tiny default is a full finetune:
+  # decode split (orthros_jax/training/step.py). 'prompt': a row with a
+  # prompt splits at the inference boundary (prompt minus the exact tail
+  # through prefill, the answer decoded); a row without one (plain text,
+  # filler) at a random P uniform in [W + 1, T], so text trains the prefill
+  # formula too. 'random': every row at such a random P. 'none': prefill
+  # formula everywhere. Through LoRA on q/k/v/o (lora_rank > 0) or a full
+  # finetune (lora_rank 0), plus kl_weight x KL to the teacher on the
+  # answers, plus hidden_weight x the MSE between each layer's attention
+  # input in the student (through the split) and in the frozen teacher over
+  # all tokens, summed over layers: the KV cache decode reads is projected
+  # from these. In a full finetune either term keeps a frozen teacher copy
+  # in the stage-2 state, so turning them on or off needs a fresh workdir
+  # (a resume would refuse the different state). At W = 128 (greedy needle
+  # at 384 tokens, 60 examples) hidden_weight 0 / 1 / 10 gave 76.7 / 80.0 /
+  # 81.7%: within the noise, kept at 1. The tiny default is a full finetune:
   # on the committed (needle-trained) teacher, LoRA r=8 for 60 steps kept
   # greedy passkey at 384 tokens at 25% and the needle at 0%; a full
   # finetune of 200 steps at lr 5e-4 kept passkey at 95.8% and the needle
   # at 20.8% (teacher 100% / 91.7%; 24 examples each; both at W = 32).
-  # 160 steps keep the demo under 15 minutes on 2 CPU cores.
+  # 160 steps keep the demo under 15 minutes on 2 CPU cores. (These
+  # measurements predate 'prompt' giving rows without a prompt, the
+  # filler task here, a random split; until then they trained exact
+  # attention only.)
   c.stage2 = dict(tokens=(4 if smoke else 160) * batch * seq_len,
                   learning_rate=1e-3 if smoke else 5e-4,
                   warmup_steps=1 if smoke else 5,

@@ -24,10 +24,16 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
       tie_embeddings=True, dtype='bfloat16', param_dtype='float32',
       attention=dict(kind='dense', feature_map='hedgehog', feature_dim=64,
                      window=64, chunk_size=64, exact_tail=1))
+  # paths: .txt/.jsonl files, directories or globs; text_field: the jsonl
+  # field holding the text.
   c.data = dict(source='text', seq_len=4096, batch_size=256, seed=0,
-                tokenizer='tokenizer.json', paths='data/')
+                tokenizer='tokenizer.json', paths='data/', text_field='text')
   c.eval_data = None
   c.eval_batches = 16
+  # split_mode 'random' (Orthros only): every row, all plain text, splits
+  # at a P uniform in [W + 1, T], so the prefill formula always trains;
+  # 'prompt' is the same on text (no row has a prompt). See
+  # orthros_jax/training/step.py.
   c.train = dict(num_steps=100_000, learning_rate=3e-4, warmup_steps=2000,
                  weight_decay=0.1, split_mode='random', log_every=100,
                  eval_every=0, checkpoint_every=1000, keep_checkpoints=3)

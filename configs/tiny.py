@@ -41,13 +41,22 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   if 'varlen' in options:
     task_options = {t: {'min_tokens': min(256, seq_len)}
                     for t in ('passkey', 'niah') if t in tasks}
+  # Local text instead: --config.data.source=text
+  # --config.data.paths=/path/to/corpus (.txt/.jsonl files, directories or
+  # globs; text_field: the jsonl field); tasks apply to synthetic data only.
   c.data = dict(source='synthetic', seq_len=seq_len,
                 batch_size=4 if smoke else 16, seed=0, tasks=tasks,
-                task_options=task_options)
+                task_options=task_options, paths='', text_field='text')
   c.eval_data = dict(source='synthetic', seq_len=seq_len,
                      batch_size=4 if smoke else 16, seed=1, tasks=tasks,
                      num_examples=8 if smoke else 128, num_epochs=1)
   c.eval_batches = 2 if smoke else 8
+  # split_mode (Orthros models, --config.model.attention.kind=orthros; see
+  # orthros_jax/training/step.py): 'prompt' splits a row with a prompt at
+  # the inference boundary and a row without one (filler, text) at a random
+  # P in [W + 1, T], so every row trains the prefill formula; 'random'
+  # draws such a P for every row; 'none' runs the prefill formula
+  # everywhere. Dense models ignore it.
   c.train = dict(num_steps=4 if smoke else 3000,
                  learning_rate=3e-3 if smoke else 1e-3,
                  warmup_steps=1 if smoke else 200, weight_decay=0.01,

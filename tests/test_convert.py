@@ -325,6 +325,39 @@ def test_convert_errors(teacher_dir, tmp_path):
     pipeline.convert(c, tmp_path / 'out')
 
 
+def test_convert_rejects_splits_that_skip_the_prefill_formula(tmp_path):
+  """Config errors before any teacher is read (the checkpoint is missing):
+  the removed 'prompt_or_random' names its replacement, and a window that
+  covers the whole sequence (no position reads a linear key) is refused."""
+  def run(section, field, value):
+    c = convert_tiny.get_config('smoke')
+    c.teacher.checkpoint = str(tmp_path / 'missing')
+    c[section][field] = value
+    return pipeline.convert(c, tmp_path / 'out')
+
+  with pytest.raises(ValueError, match="use 'prompt'"):
+    run('stage2', 'split_mode', 'prompt_or_random')
+  with pytest.raises(ValueError, match=r'attention.sinks = 96 >= '
+                     'data.seq_len=96'):
+    run('attention', 'window', 96)
+  with pytest.raises(FileNotFoundError, match='does not exist'):
+    run('attention', 'window', 95)  # W < T passes the check
+
+
+def test_convert_config_takes_text_paths():
+  c = convert_tiny.get_config()
+  c.data.source = 'text'
+  c.data.paths = '/data/corpus'
+  assert c.data.text_field == 'text'
+  # The synthetic default passes an empty paths to make_dataset, which
+  # ignores it there.
+  data = convert_tiny.get_config('smoke').data.to_dict()
+  assert data['paths'] == ''
+  batch = next(iter(pipeline.make_dataset(**dict(
+      data, tokenizer=get_tokenizer(data['tokenizer'])))))
+  assert batch['inputs'].shape == (data['batch_size'], data['seq_len'])
+
+
 def test_teacher_checkpoint_mismatch_and_orthros_teacher(tmp_path):
   # A checkpoint whose config says one shape and params another.
   params = _init(DENSE, jax.random.PRNGKey(0))

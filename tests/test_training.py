@@ -201,24 +201,112 @@ def test_loss_decreases(tmp_path, kind, prompt):
 
 def test_split_modes():
   config = tiny_config('orthros')
+  w = config.attention.window
   batch = PatternBatches(prompt=True).__next__()
-  split = tr.step.make_split(config, 'prompt', batch, None)
+  assert np.all(batch['prompt_lengths'] > 0)
+  split = tr.step.make_split(config, 'prompt', batch, jax.random.PRNGKey(0))
   np.testing.assert_array_equal(split, np.maximum(batch['prompt_lengths'] - 1,
                                                   0))
-  split = tr.step.make_split(config, 'random', batch, jax.random.PRNGKey(3))
-  assert split.shape == (B,) and bool(jnp.all((split >= 0) & (split <= T)))
+  # 'random': uniform in [W + 1, T], so the query at t = W always reads a
+  # key (j = 0) through the feature maps.
+  draws = np.concatenate([np.asarray(tr.step.make_split(
+      config, 'random', batch, jax.random.PRNGKey(i))) for i in range(50)])
+  assert draws.shape == (50 * B,)
+  assert draws.min() == w + 1 and draws.max() == T
+  # W >= T: no split reaches a linear key; the split is T.
+  wide = config.replace(attention={'window': T})
+  np.testing.assert_array_equal(
+      tr.step.make_split(wide, 'random', batch, jax.random.PRNGKey(3)),
+      np.full(B, T))
+  assert tr.step.make_split(config, 'none', batch, None) is None
+  assert tr.step.make_split(tiny_config(), 'random', batch, None) is None
+  with pytest.raises(ValueError, match='needs an rng'):
+    tr.step.make_split(config, 'prompt', batch, None)
+  with pytest.raises(ValueError, match='split_mode'):
+    tr.make_train_step(config, split_mode='middle')
+
+
+def test_prompt_split_trains_the_prefill_formula_on_text():
+  """'prompt' mode on rows without a prompt (plain text, filler): a random
+  split >= W + 1 per row, so the forward differs from the all-exact one on
+  every row; rows with a prompt keep the inference boundary exactly."""
+  config = tiny_config('orthros')
+  w = config.attention.window
+  params = init_params(config)
+  text = next(PatternBatches(prompt=False))
+  assert np.all(text['prompt_lengths'] == 0)
+  split = np.asarray(tr.step.make_split(config, 'prompt', text,
+                                        jax.random.PRNGKey(3)))
+  assert np.all(split >= 1), split  # 0 = all exact, the old behaviour
+  assert np.all((split >= w + 1) & (split <= T)), split
+  apply = jax.jit(lambda s: oj.Transformer(config).apply(
+      {'params': params}, text['inputs'], phase='forward', split=s)[0])
+  exact = np.asarray(apply(jnp.zeros(B, jnp.int32)))
+  logits = np.asarray(apply(jnp.asarray(split)))
+  per_row = np.abs(logits - exact).max(axis=(1, 2))
+  assert np.all(per_row > 1e-4), per_row
+  # A split of W or less is the all-exact forward: why the range starts at
+  # W + 1.
+  np.testing.assert_allclose(apply(jnp.full(B, w, jnp.int32)), exact,
+                             atol=1e-5)
+  # The gradient of the loss reaches the feature maps (phi_q, phi_k).
+  loss = lambda p: tr.step._forward_loss(
+      config, 'prompt', tr.next_token_loss, p, text, jax.random.PRNGKey(3))[0]
+  grads = jax.grad(loss)(params)
+  phi = [float(jnp.abs(g).max()) for path, g in
+         jax.tree_util.tree_flatten_with_path(grads)[0]
+         if 'phi_q' in tr.optim.path_str(path)]
+  assert phi and max(phi) > 0, phi
+  # Mixed rows: the prompt rows split at prompt - exact_tail exactly, the
+  # others as 'random' with the same rng.
+  batch = next(PatternBatches(prompt=True))
   mixed = dict(batch, prompt_lengths=np.where(
       np.arange(B) % 2 == 0, batch['prompt_lengths'], 0).astype(np.int32))
-  split = tr.step.make_split(config, 'prompt_or_random', mixed,
-                             jax.random.PRNGKey(3))
+  split = tr.step.make_split(config, 'prompt', mixed, jax.random.PRNGKey(3))
   rand = tr.step.make_split(config, 'random', mixed, jax.random.PRNGKey(3))
   np.testing.assert_array_equal(
       split, np.where(mixed['prompt_lengths'] > 0,
                       np.maximum(mixed['prompt_lengths'] - 1, 0), rand))
-  assert tr.step.make_split(config, 'none', batch, None) is None
-  assert tr.step.make_split(tiny_config(), 'random', batch, None) is None
-  with pytest.raises(ValueError, match='split_mode'):
-    tr.make_train_step(config, split_mode='middle')
+
+
+@pytest.mark.parametrize('sinks', [0, 3])
+def test_random_split_starts_at_the_first_linear_position(sinks):
+  """The forward through split P equals the all-exact one for P <= W + S
+  (no query reads a linear key) and differs at P = W + S + 1, the lowest
+  random split."""
+  if sinks and 'sinks' not in oj.AttentionConfig.__dataclass_fields__:
+    pytest.skip('no attention sinks in this tree')
+  config = tiny_config('orthros')
+  if sinks:
+    config = config.replace(attention={'sinks': sinks})
+  first = tr.step.first_linear_position(config.attention)
+  assert first == config.attention.window + sinks
+  params = init_params(config)
+  text = next(PatternBatches())
+  apply = jax.jit(lambda s: oj.Transformer(config).apply(
+      {'params': params}, text['inputs'], phase='forward', split=s)[0])
+  exact = apply(jnp.zeros(B, jnp.int32))
+  np.testing.assert_allclose(apply(jnp.full(B, first, jnp.int32)), exact,
+                             atol=1e-5)
+  diff = jnp.abs(apply(jnp.full(B, first + 1, jnp.int32)) - exact)
+  assert np.all(np.asarray(diff.max(axis=(1, 2))) > 1e-4)
+  draws = np.concatenate([np.asarray(tr.step.make_split(
+      config, 'prompt', text, jax.random.PRNGKey(i))) for i in range(30)])
+  assert draws.min() == first + 1 and draws.max() == T
+
+
+def test_prompt_or_random_is_rejected():
+  config = tiny_config('orthros')
+  batch = next(PatternBatches())
+  for make in (lambda: tr.step.make_split(config, 'prompt_or_random', batch,
+                                          jax.random.PRNGKey(0)),
+               lambda: tr.make_train_step(config,
+                                          split_mode='prompt_or_random'),
+               lambda: tr.make_eval_step(config,
+                                         split_mode='prompt_or_random'),
+               lambda: tr.TrainConfig(split_mode='prompt_or_random')):
+    with pytest.raises(ValueError, match="use 'prompt'"):
+      make()
 
 
 def test_frozen_params_get_zero_updates():

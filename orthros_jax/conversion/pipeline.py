@@ -339,6 +339,17 @@ def convert(config, workdir: str | os.PathLike) -> dict:
     raise ValueError('eval.sets is empty: name at least one held-out set')
   tokenizer = get_tokenizer(data_cfg.get('tokenizer', 'byte'))
   attention = orthros_attention(config.attention)
+  first_linear = step_lib.first_linear_position(attention)
+  if first_linear >= int(data_cfg['seq_len']):
+    # Query t reads keys through the feature maps only from t = W + sinks
+    # on; if no position of a sequence does, the prefill formula is exact
+    # softmax everywhere and neither stage trains phi_q / phi_k.
+    raise ValueError(
+        f'attention.window + attention.sinks = {first_linear} >= '
+        f'data.seq_len={data_cfg["seq_len"]}: every query\'s exact set covers '
+        'its whole context, so no position uses the linear part and the '
+        'conversion would train nothing of the prefill formula; use a '
+        'smaller window')
 
   partitioner = sharding.Partitioner.from_config(config.get('mesh'))
   teacher, teacher_params, teacher_info = load_teacher(config.teacher)

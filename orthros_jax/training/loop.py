@@ -77,9 +77,7 @@ class TrainConfig:
     if not isinstance(self.eval_every, int) or self.eval_every < 0:
       raise ValueError(f'eval_every={self.eval_every!r} is invalid: expected '
                        'an integer >= 0 (0 = only at the end).')
-    if self.split_mode not in step_lib.SPLIT_MODES:
-      raise ValueError(f'split_mode={self.split_mode!r} is invalid: expected '
-                       f'one of {step_lib.SPLIT_MODES}.')
+    step_lib.check_split_mode(self.split_mode)
     if self.trainable is not None:
       object.__setattr__(self, 'trainable', tuple(self.trainable))
     mults = self.lr_multipliers

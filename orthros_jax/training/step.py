@@ -5,13 +5,23 @@ A batch is a dict of arrays: 'inputs' [B, T] int32, 'targets' [B, T] int32,
 
 For an Orthros model the forward pass takes a per-example `split` P (positions
 t < P prefill formula, t >= P exact softmax), chosen by `split_mode`:
-  'prompt': P = max(prompt_lengths - exact_tail, 0), the boundary `generate`
-            uses at inference (plain text, prompt 0, trains exact attention);
-  'random': P uniform in [0, T] per example, drawn from the step's rng;
-  'prompt_or_random': 'prompt' for examples with a prompt, 'random' for
-            plain text (prompt length 0), so text also trains the prefill
-            formula;
-  'none':   no split, prefill formula everywhere.
+  'prompt': where a row has a prompt (prompt_lengths > 0), the boundary
+            `generate` uses at inference, P = max(prompt_length - exact_tail,
+            0); a row without one (plain text, the 'filler' task) gets the
+            random split below, so every row trains the prefill formula;
+  'random': every row gets the random split;
+  'none':   no split: the prefill formula at every position (the exact
+            softmax that decode runs is never used).
+The random split is uniform in [min(W + S + 1, T), T] (W = attention.window,
+S = attention.sinks, T = seq_len), drawn per example from the step's rng:
+the prefill formula differs from exact softmax only at positions
+t >= W + S (query t reads keys S <= j <= t - W through the feature maps;
+the window and sink keys are a softmax), so a split of W + S or less is the
+all-exact forward and would train nothing of it. Only when W + S >= T does
+no split reach a linear key (then P = T, which equals the exact forward;
+convert.py refuses such a config).
+'prompt_or_random', the former name of today's 'prompt', is rejected with
+a ValueError that says so.
 Dense models ignore `split_mode`.
 
 With a `Partitioner` (orthros_jax/sharding.py) the steps take process-local
@@ -36,29 +46,53 @@ from orthros_jax.model import Transformer
 from orthros_jax.training import loss as loss_lib
 from orthros_jax.training.state import TrainState
 
-SPLIT_MODES = ('prompt', 'random', 'prompt_or_random', 'none')
+SPLIT_MODES = ('prompt', 'random', 'none')
 LossFn = Callable[[jax.Array, dict], tuple[jax.Array, dict]]
 
 
-def _check_split_mode(split_mode: str) -> None:
+def check_split_mode(split_mode: str) -> None:
+  """ValueError unless `split_mode` is one of SPLIT_MODES."""
+  if split_mode == 'prompt_or_random':
+    raise ValueError(
+        "split_mode='prompt_or_random' was removed: use 'prompt', which now "
+        'gives rows without a prompt (plain text, filler) a random split.')
   if split_mode not in SPLIT_MODES:
     raise ValueError(f'split_mode={split_mode!r} is invalid: expected one of '
                      f'{SPLIT_MODES}.')
 
 
+def first_linear_position(attention) -> int:
+  """W + S for an AttentionConfig: the first query position that reads a
+  key (j = S) through the feature maps; before it the prefill formula is
+  exact softmax."""
+  return attention.window + getattr(attention, 'sinks', 0)
+
+
+def random_split(config: ModelConfig, batch_size: int, seq_len: int, rng):
+  """[batch_size] int32 uniform in [min(W + S + 1, T), T]: every split has
+  at least one position (t = W + S) whose query reads a key through the
+  feature maps, when W + S < T."""
+  low = min(first_linear_position(config.attention) + 1, seq_len)
+  return jax.random.randint(rng, (batch_size,), low, seq_len + 1, jnp.int32)
+
+
 def make_split(config: ModelConfig, split_mode: str, batch, rng):
-  """The per-example split [B] int32 (or None) for `batch`."""
-  _check_split_mode(split_mode)
+  """The per-example split [B] int32 (or None) for `batch`; see the module
+  docstring. `rng` is required for an Orthros model unless split_mode is
+  'none'."""
+  check_split_mode(split_mode)
   if not config.is_orthros or split_mode == 'none':
     return None
+  if rng is None:
+    raise ValueError(f'split_mode={split_mode!r} draws random splits (every '
+                     "row in 'random', rows without a prompt in 'prompt') "
+                     'and needs an rng, got None.')
   b, t = batch['inputs'].shape
-  p = jnp.asarray(batch['prompt_lengths'], jnp.int32)
-  at_prompt = jnp.maximum(p - config.attention.exact_tail, 0)
-  if split_mode == 'prompt':
-    return at_prompt
-  random = jax.random.randint(rng, (b,), 0, t + 1, jnp.int32)
+  random = random_split(config, b, t, rng)
   if split_mode == 'random':
     return random
+  p = jnp.asarray(batch['prompt_lengths'], jnp.int32)
+  at_prompt = jnp.maximum(p - config.attention.exact_tail, 0)
   return jnp.where(p > 0, at_prompt, random)
 
 
@@ -84,7 +118,7 @@ def make_train_step(config: ModelConfig, *, split_mode: str = 'prompt',
   finite the returned state is the input state (no update, step unchanged):
   the loop reports the error and keeps the last good checkpoint.
   """
-  _check_split_mode(split_mode)
+  check_split_mode(split_mode)
   loss_fn = loss_fn or loss_lib.next_token_loss
   return make_objective_step(
       lambda p, batch, rng: _forward_loss(config, split_mode, loss_fn, p,
@@ -150,7 +184,7 @@ def make_eval_step(config: ModelConfig, *, split_mode: str = 'prompt',
                    loss_fn: LossFn | None = None, partitioner=None
                    ) -> Callable[[Any, dict, jax.Array], dict]:
   """A jitted `(params, batch, rng) -> metrics` with no update."""
-  _check_split_mode(split_mode)
+  check_split_mode(split_mode)
   loss_fn = loss_fn or loss_lib.next_token_loss
 
   def step(params, batch, rng):
