@@ -45,6 +45,12 @@ def test_accelerator_dispatch(monkeypatch, backend):
   assert dispatch.prefill_impl('auto', chunk_size=bad_chunk) is orthros_prefill
   with pytest.raises(ValueError, match='chunk_size'):
     dispatch.prefill_impl('pallas', chunk_size=bad_chunk)
+  # The Pallas prefill has no attention sinks: 'auto' takes XLA, 'pallas'
+  # raises naming the field.
+  assert dispatch.prefill_impl('auto', chunk_size=16, sinks=4) is \
+      orthros_prefill
+  with pytest.raises(ValueError, match='attention.sinks=4'):
+    dispatch.prefill_impl('pallas', chunk_size=16, sinks=4)
   # A long query block (dense prefill) never goes to the decode kernel.
   for impl in ('auto', 'pallas'):
     assert dispatch.decode_impl(impl, head_dim=64,

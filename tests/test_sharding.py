@@ -364,6 +364,18 @@ def test_context_parallel_model_prefill_and_decode(n):
   assert cache[0].k.sharding.spec[1] == 'sequence'
 
 
+def test_context_parallel_prefill_refuses_sinks():
+  """Sinks are not implemented in the context-parallel prefill: a clear
+  error, not a silently different computation."""
+  cfg = CFG.replace(attention={'sinks': 2})
+  part = _partitioner({'sequence': 2})
+  tokens = jnp.zeros((2, 40), jnp.int32)
+  cache = part.shard_cache(init_cache(cfg, 2, 64))
+  with part.activate(), pytest.raises(ValueError, match='attention.sinks=2'):
+    Transformer(cfg).apply({'params': _params_init()}, tokens,
+                           phase='prefill', cache=cache)
+
+
 def test_shard_cache_needs_divisible_length():
   part = _partitioner({'sequence': 4})
   with pytest.raises(ValueError, match='multiple of'):
