@@ -25,7 +25,12 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # a teacher the dense row uses the Orthros weights with dense attention.
   c.checkpoint = ''
   c.teacher = ''
+  # Rows (orthros_jax/evaluation/variants.py): teacher, dense, window,
+  # window_sinks, orthros, orthros_nosinks / orthros_sinks, linear,
+  # linear_trained (needs linear_checkpoint); sinks: N of the sink rows.
   c.models = ('teacher', 'orthros', 'linear')
+  c.sinks = 4
+  c.linear_checkpoint = ''
   c.tokenizer = 'byte'
   c.seed = 1234
   c.progress = not smoke

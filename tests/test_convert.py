@@ -18,9 +18,11 @@ import pytest
 import orthros_jax as oj
 from configs import convert_tiny
 from configs import tiny
+from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.conversion import pipeline
 from orthros_jax.data import get_tokenizer
 from orthros_jax.evaluation import inference
+from orthros_jax.evaluation import suite
 from orthros_jax.model import Transformer
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.training.train_lm import model_config_from
@@ -418,3 +420,94 @@ def test_convert_py_entry_point(converted, teacher_dir, tmp_path):
   assert '| orthros |' in proc.stdout
   with open(tmp_path / 'run' / 'report.json') as f:
     assert json.load(f)['eval'] == json.loads(json.dumps(report['eval']))
+
+
+# ------------------------------------------------------------ the adapter
+# What a LoRA conversion adds to its teacher, written alone and applied back
+# (orthros_jax/conversion/adapter.py); references: the merged params
+# convert.py saves and the conversion's own stage-2 checkpoint.
+
+
+def _teacher(teacher_dir):
+  params, config, _ = ckpt_lib.load_params(teacher_dir)
+  return model_config_from(config), params
+
+
+def test_convert_writes_an_adapter_that_rebuilds_the_model(converted,
+                                                           teacher_dir):
+  workdir, _ = converted
+  adapter = workdir / 'adapter'
+  assert adapter_lib.is_adapter(adapter)
+  t_config, t_params = _teacher(teacher_dir)
+  config, params = adapter_lib.apply_adapter(adapter, t_config, t_params)
+  merged, merged_cfg, _ = ckpt_lib.load_params(workdir / 'orthros')
+  assert config == model_config_from(merged_cfg) and config.is_orthros
+  flat = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+  want = dict(jax.tree_util.tree_flatten_with_path(merged)[0])
+  assert flat.keys() == want.keys()
+  for path, x in want.items():
+    np.testing.assert_allclose(np.asarray(flat[path]), np.asarray(x),
+                               rtol=1e-6, atol=1e-7, err_msg=str(path))
+  # Only what the conversion adds is in the file: no MLP, no embeddings.
+  meta, tensors = adapter_lib.read_adapter(adapter)
+  assert meta['lora_rank'] == 8 and meta['lora_alpha'] == 16.0
+  assert not any('mlp' in k or 'embed' in k for k in tensors)
+  assert {k.rsplit('.', 1)[-1] for k in tensors} == {
+      'proj', 'window_logit', 'lora_a', 'lora_b'}
+
+
+def test_export_from_conversion_equals_the_pipeline_adapter(converted,
+                                                            tmp_path):
+  workdir, _ = converted
+  out = adapter_lib.export_from_conversion(workdir, tmp_path / 'exported')
+  _, a = adapter_lib.read_adapter(out)
+  _, b = adapter_lib.read_adapter(workdir / 'adapter')
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_adapter_refuses_other_base_and_broken_files(converted, teacher_dir,
+                                                     tmp_path):
+  workdir, _ = converted
+  t_config, t_params = _teacher(teacher_dir)
+  other = jax.tree.map(lambda x: x + 1e-3, t_params)
+  with pytest.raises(ValueError, match='adapter_config.json.*other base'):
+    adapter_lib.apply_adapter(workdir / 'adapter', t_config, other)
+  with pytest.raises(ValueError, match='shape'):
+    adapter_lib.apply_adapter(workdir / 'adapter',
+                              t_config.replace(num_layers=1), t_params)
+  broken = tmp_path / 'broken'
+  broken.mkdir()
+  with pytest.raises(FileNotFoundError, match='adapter_config.json'):
+    adapter_lib.read_adapter(broken)
+  (broken / 'adapter_config.json').write_text('{"lora_alpha": 1}')
+  (broken / 'adapter.safetensors').write_bytes(b'garbage')
+  with pytest.raises(ValueError, match='adapter_config.json'):
+    adapter_lib.read_adapter(broken)
+  with open(workdir / 'adapter' / 'adapter_config.json') as f:
+    (broken / 'adapter_config.json').write_text(f.read())
+  with pytest.raises(ValueError, match='adapter.safetensors'):
+    adapter_lib.read_adapter(broken)
+  with pytest.raises(ValueError, match='full finetune'):
+    adapter_lib.write_adapter(tmp_path / 'x', t_config.replace(
+        attention={'kind': 'orthros'}), t_params, t_params, {}, alpha=1.0)
+
+
+def test_eval_applies_an_adapter_to_its_teacher(converted, teacher_dir):
+  workdir, _ = converted
+  from configs import eval_tiny
+  c = eval_tiny.get_config('smoke')
+  c.checkpoint = str(workdir / 'adapter')
+  c.teacher = ''
+  with pytest.raises(ValueError, match='teacher='):
+    suite.load_models(c)
+  c.teacher = str(teacher_dir)
+  c.models = ('teacher', 'orthros')
+  models, desc = suite.load_models(c)
+  merged, _, _ = ckpt_lib.load_params(workdir / 'orthros')
+  np.testing.assert_allclose(
+      np.asarray(models['orthros'][1]['layers_0']['attn']['q_proj']['kernel']),
+      np.asarray(merged['layers_0']['attn']['q_proj']['kernel']), rtol=1e-6,
+      atol=1e-7)
+  assert 'adapter on' in desc['orthros']

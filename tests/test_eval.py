@@ -20,6 +20,7 @@ from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import retrieval
 from orthros_jax.evaluation import speed
 from orthros_jax.evaluation import suite
+from orthros_jax.evaluation import variants
 from orthros_jax.model import Transformer
 from orthros_jax.training import checkpoint as ckpt_lib
 
@@ -165,14 +166,66 @@ def test_suite_writes_results_report_and_plots(checkpoints, tmp_path):
     assert (tmp_path / name).stat().st_size > 0
 
 
-def test_suite_without_teacher_uses_dense_attention_on_the_same_weights(
-    checkpoints, tmp_path):
-  c = _smoke_config(checkpoints, teacher=False)
+def test_suite_baseline_rows_say_which_weights(checkpoints, tmp_path):
+  """Every row of evaluation/variants.py through the suite (quality
+  only): 'same weights' only where true, the teacher row is the teacher
+  checkpoint, the dense row the converted weights (no teacher needed), and
+  the window rows have exactly no linear term."""
+  c = _smoke_config(checkpoints)
   c.tasks = {}
   c.speed = {}
+  c.models = variants.ROWS[:-1] + ('orthros',)  # a duplicate is harmless
+  c.models = tuple(m for m in c.models if m != 'orthros_nosinks')
+  c.linear_checkpoint = ''
+  models, desc = suite.load_models(c)
+  assert list(models) == [m for m in variants.ROWS if m in c.models]
+  assert 'same weights' not in desc['teacher'] and 'step 5' in desc['teacher']
+  for name in ('window', 'window_sinks', 'orthros_sinks', 'linear'):
+    assert 'same weights' in desc[name]
+  assert not models['dense'][0].is_orthros
+  assert models['dense'][1] is models['orthros'][1]
+  assert models['window_sinks'][0].attention.sinks == 4
+  assert models['window'][0].attention.sinks == 0
+  # The window rows' feature maps are exactly zero on any input.
+  config, params, _ = models['window']
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, config.num_heads,
+                                                config.head_dim))
+  from orthros_jax import feature_maps
+  w = params['layers_0']['attn']['phi_q']['proj']
+  assert not np.any(feature_maps.feature_map(
+      config.attention.feature_map, x, w))
+  # Window row with a window covering the text = dense attention.
+  wide = config.replace(attention={'window': 64})
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 40), 0, 259)
+  run = lambda cfg, p: Transformer(cfg).apply({'params': p}, tokens,
+                                              phase='forward')[0]
+  np.testing.assert_allclose(run(wide, params),
+                             run(models['dense'][0], models['dense'][1]),
+                             atol=2e-5, rtol=1e-5)
   results = suite.run(c, tmp_path)
-  assert 'same weights' in results['models']['teacher']
-  assert set(results) >= {'quality'} and 'speed' not in results
+  assert set(results['quality']) == set(models)
+
+
+def test_suite_row_errors(checkpoints, tmp_path):
+  c = _smoke_config(checkpoints, teacher=False)
+  with pytest.raises(ValueError, match="'dense' row"):
+    suite.load_models(c)
+  c.models = ('orthros_nosinks',)
+  with pytest.raises(ValueError, match='no sinks'):
+    suite.load_models(c)
+  c.models = ('linear_trained',)
+  with pytest.raises(ValueError, match='linear_checkpoint'):
+    suite.load_models(c)
+  c.linear_checkpoint = str(checkpoints / 'orthros')  # window 8: not linear
+  with pytest.raises(ValueError, match='pure-linear'):
+    suite.load_models(c)
+  lin = ORTHROS.replace(attention={'window': 0})
+  ckpt_lib.save_params(tmp_path / 'lin', _init(lin, jax.random.PRNGKey(4)),
+                       lin, step=2)
+  c.linear_checkpoint = str(tmp_path / 'lin')
+  models, desc = suite.load_models(c)
+  assert models['linear_trained'][2] == 'prefill'
+  assert 'its own weights' in desc['linear_trained']
 
 
 def test_eval_tiny_variants():

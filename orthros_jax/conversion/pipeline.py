@@ -9,6 +9,8 @@
          LoRA on q/k/v/o (or a full finetune), optional KL to the teacher
          and hidden-state distillation (every layer's attention input)
       -> merged params saved to workdir/orthros/checkpoints (load_params)
+         and, for LoRA, the adapter alone in workdir/adapter
+         (conversion/adapter.py: feature maps, windows, LoRA factors)
       -> held-out evaluation through the inference path of the dense teacher,
          the Orthros model and the pure-linear floor (same weights, W = 0,
          no exact tail): workdir/report.json and report.md.
@@ -51,6 +53,7 @@ from orthros_jax import sharding
 from orthros_jax.checkpoints.hf import load_hf
 from orthros_jax.config import AttentionConfig
 from orthros_jax.config import ModelConfig
+from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.conversion import stages
 from orthros_jax.conversion.lora import init_lora
 from orthros_jax.conversion.lora import merge_lora
@@ -410,6 +413,14 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   if not os.path.isdir(os.path.join(out_dir, 'checkpoints',
                                     str(total_steps))):
     ckpt_lib.save_params(out_dir, final, student, step=total_steps)
+  if rank:
+    # What the conversion adds, alone (feature maps, windows, LoRA): a few
+    # MB to ship beside the teacher's own weights (conversion/adapter.py).
+    adapter_lib.write_adapter(
+        os.path.join(workdir, 'adapter'), student, teacher_params,
+        state2.params['base'], state2.params['lora'], alpha=alpha,
+        provenance={'conversion_workdir': workdir, 'teacher': teacher_info,
+                    'stage2_step': total_steps - s1_cfg.num_steps})
 
   # Held-out evaluation through the inference path.
   models = {'teacher': (teacher, teacher_params, 'inference'),

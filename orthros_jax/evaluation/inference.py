@@ -47,9 +47,9 @@ _DECODE_BUCKET = 16  # decode lengths are padded to a multiple (fewer compiles)
 
 
 def pure_linear(config: ModelConfig) -> ModelConfig:
-  """The floor of every report: the same model with window 0 and no exact
-  tail (score it with mode='prefill')."""
-  return config.replace(attention={'window': 0, 'exact_tail': 0})
+  """The floor of every report: the same model with window 0, no sinks and
+  no exact tail (score it with mode='prefill')."""
+  return config.replace(attention={'window': 0, 'exact_tail': 0, 'sinks': 0})
 
 
 def scoring_layout(batch: dict, config: ModelConfig, mode: str

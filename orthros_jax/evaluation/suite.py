@@ -1,13 +1,10 @@
 """`run(config, out_dir)`: the evaluation suite eval.py runs.
 
-Every number is reported three ways on the same weights, with the
-prefill/decode boundary stated:
-  teacher  dense attention: the teacher checkpoint when one is given, else
-           the Orthros checkpoint's weights with dense attention (ceiling);
-  orthros  the hybrid prefill of all but the last exact_tail prompt tokens,
-           exact decode after (`generate`);
-  linear   the same weights with window 0 and no exact tail, every token
-           through the prefill formula (floor).
+Every number is reported for each row of `config.models` (default teacher,
+orthros, linear), each stating its weights and attention (the rows are
+defined in evaluation/variants.py: the teacher as loaded; the converted
+weights with dense attention, window only, window plus sinks, Orthros with
+and without sinks, pure linear; a separately converted pure-linear model).
 
 Sections (each optional in the config):
   tasks       retrieval accuracy from greedy generation (evaluation/tasks.py:
@@ -39,16 +36,19 @@ import numpy as np
 import tqdm
 
 from orthros_jax.config import ModelConfig
+from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.data import get_tokenizer
 from orthros_jax.data import make_dataset
 from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import retrieval
 from orthros_jax.evaluation import speed as speed_lib
+from orthros_jax.evaluation import variants
+from orthros_jax.checkpoints import hf as hf_lib
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.training.train_lm import _plain
 from orthros_jax.training.train_lm import model_config_from
 
-MODELS = ('teacher', 'orthros', 'linear')
+MODELS = variants.ROWS
 
 
 def load_checkpoint(path: str, step: int | None = None
@@ -64,48 +64,85 @@ def load_checkpoint(path: str, step: int | None = None
   return model_config_from(config), params, step
 
 
+def load_dense(path: str) -> tuple[ModelConfig, dict, str]:
+  """(config, params, description) of a dense model: a local Hugging Face
+  directory (config.json + safetensors, e.g. `make smollm2`'s export) or a
+  train.py checkpoint."""
+  path_ = os.fspath(path)
+  if any(os.path.isfile(os.path.join(path_, name)) for name in (
+      hf_lib.WEIGHTS_FILE, hf_lib.WEIGHTS_INDEX_FILE)):
+    config, params = hf_lib.load_hf(path)
+    where = f'{path} (Hugging Face directory)'
+  else:
+    config, params, step = load_checkpoint(path)
+    where = f'{path} (step {step})'
+  if config.is_orthros:
+    raise ValueError(f'teacher {path} is not a dense model')
+  return config, params, where
+
+
 def load_models(config) -> tuple[dict, dict]:
-  """({name: (config, params, path)}, descriptions) of config.models."""
+  """({name: (config, params, path)}, descriptions) of config.models, in
+  the order of variants.ROWS (evaluation/variants.py says what each is)."""
   if not config.get('checkpoint'):
     raise ValueError('set checkpoint: an Orthros checkpoint (a convert.py '
-                     'workdir or its orthros/ directory)')
-  student, params, step = load_checkpoint(config.checkpoint)
+                     'workdir or its orthros/ directory, or an adapter '
+                     'directory applied to teacher=)')
+  teacher_model = None
+  if adapter_lib.is_adapter(config.checkpoint):
+    if not config.get('teacher'):
+      raise ValueError(f'checkpoint {config.checkpoint} is an adapter: set '
+                       'teacher= to the dense model it applies to')
+    teacher_model = load_dense(config.teacher)
+    student, params = adapter_lib.apply_adapter(
+        config.checkpoint, teacher_model[0], teacher_model[1])
+    where = f'{config.checkpoint} (adapter on {config.teacher})'
+  else:
+    student, params, step = load_checkpoint(config.checkpoint)
+    where = f'{config.checkpoint} (step {step})'
   if not student.is_orthros:
     raise ValueError(f'checkpoint {config.checkpoint} is a dense model; '
                      'eval.py needs an Orthros checkpoint (convert.py makes '
-                     'one) to report dense / Orthros / pure linear')
-  names = tuple(config.get('models') or MODELS)
+                     'one) to report its baselines')
+  names = tuple(config.get('models') or ('teacher', 'orthros', 'linear'))
   unknown = sorted(set(names) - set(MODELS))
   if unknown:
     raise ValueError(f'models {unknown} are unknown: expected a subset of '
                      f'{MODELS}')
-  a = student.attention
-  desc = {
-      'orthros': f'{config.checkpoint} (step {step}): window {a.window}, '
-                 f'{a.feature_map} features, prompt through the hybrid '
-                 f'prefill but its last {a.exact_tail} tokens, exact decode '
-                 'after',
-      'linear': 'the same weights, window 0 and no exact tail: every token '
-                'through the linear prefill',
-  }
-  models = {}
+  models, desc = {}, {}
   if 'teacher' in names:
-    if config.get('teacher'):
-      teacher, t_params, t_step = load_checkpoint(config.teacher)
-      if teacher.is_orthros:
-        raise ValueError(f'teacher {config.teacher} is not a dense model')
-      desc['teacher'] = (f'{config.teacher} (step {t_step}): dense '
-                         'attention, dense prefill + decode')
-    else:
-      teacher, t_params = student.replace(attention={'kind': 'dense'}), params
-      desc['teacher'] = ('the same weights with dense attention (no teacher '
-                         'checkpoint given)')
+    if not config.get('teacher'):
+      raise ValueError("the 'teacher' row needs teacher= (the dense model "
+                       'as loaded: a Hugging Face directory or a train.py '
+                       "checkpoint); the 'dense' row is the converted "
+                       'weights with dense attention')
+    teacher, t_params, t_where = teacher_model or load_dense(config.teacher)
     models['teacher'] = (teacher, t_params, 'generate')
-  if 'orthros' in names:
-    models['orthros'] = (student, params, 'generate')
-  if 'linear' in names:
-    models['linear'] = (inference.pure_linear(student), params, 'prefill')
-  return models, {k: desc[k] for k in models}
+    desc['teacher'] = f'{t_where}: the teacher as loaded, dense attention'
+  rows, rows_desc = variants.converted_rows(
+      student, params, [n for n in names if n not in ('teacher',
+                                                       'linear_trained')],
+      sinks=int(config.get('sinks') or 4), where=where)
+  models.update(rows)
+  desc.update(rows_desc)
+  if 'linear_trained' in names:
+    path = config.get('linear_checkpoint')
+    if not path:
+      raise ValueError("the 'linear_trained' row needs linear_checkpoint= (a "
+                       'convert.py workdir of the pure-linear recipe)')
+    lin, lin_params, lin_step = load_checkpoint(path)
+    if lin.attention.window or lin.attention.sinks:
+      raise ValueError(f'linear_checkpoint {path} has window '
+                       f'{lin.attention.window} and sinks '
+                       f'{lin.attention.sinks}: expected a pure-linear '
+                       'conversion (window 0, no sinks)')
+    models['linear_trained'] = (inference.pure_linear(lin), lin_params,
+                                'prefill')
+    desc['linear_trained'] = (f'{path} (step {lin_step}): its own weights, '
+                              'converted with window 0 (the trained floor), '
+                              'every token through the linear prefill')
+  order = [n for n in MODELS if n in models]
+  return ({n: models[n] for n in order}, {n: desc[n] for n in order})
 
 
 # ------------------------------------------------------------- sections
@@ -363,7 +400,7 @@ def run(config, out_dir: str | os.PathLike) -> dict:
   summary = ''
   if rows or quality:
     summary = summary_table(rows, quality, names)
-    md += ['', '## Summary (three ways, same weights)', '', summary]
+    md += ['', '## Summary (each row\'s weights and attention: Models above)', '', summary]
   if rows:
     md += ['', '## Retrieval accuracy % (greedy; mean over depths; Wilson '
            '95% interval; multi-answer tasks score the fraction of answers '

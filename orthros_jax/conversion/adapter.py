@@ -1,0 +1,226 @@
+"""An Orthros adapter: what a LoRA conversion adds to a dense model, alone.
+
+A conversion with LoRA (stage2.lora_rank > 0) changes a dense teacher in
+three ways: new feature maps (phi_q, phi_k), new window weights
+(window_logit), and low-rank deltas on q/k/v/o. Those are a few MB where the
+model is hundreds; the adapter holds just them, so a converted model can be
+shipped as `base weights (from their own source) + adapter`:
+
+    write_adapter(out_dir, config, base_params, lora, alpha=16.0)   # convert
+    config, params = apply_adapter(out_dir, base_config, base_params)
+
+Files (safetensors, never pickle): out_dir/adapter.safetensors with keys
+  layers_{i}.attn.phi_q.proj, layers_{i}.attn.phi_k.proj   [H, D, P]
+  layers_{i}.attn.window_logit                             [H]
+  layers_{i}.attn.{q,k,v,o}_proj.lora_a / .lora_b          [in, r], [r, out]
+and out_dir/adapter_config.json: the converted ModelConfig, lora_alpha,
+lora_rank, a fingerprint of the base weights (every layer's shapes and a
+sha256 of the q/k/v/o kernels it must be applied to) and free-form
+provenance. `apply_adapter` refuses a base whose shapes or digest differ,
+naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from orthros_jax.config import ModelConfig
+from orthros_jax.conversion.lora import DEFAULT_TARGETS
+from orthros_jax.conversion.lora import merge_lora
+from orthros_jax.conversion.transfer import TRANSFER_PARAMS
+
+WEIGHTS = 'adapter.safetensors'
+CONFIG = 'adapter_config.json'
+
+
+def is_adapter(path: str | os.PathLike) -> bool:
+  return os.path.isfile(os.path.join(os.fspath(path), CONFIG))
+
+
+def base_fingerprint(config: ModelConfig, base_params: dict) -> dict:
+  """The base model's shape and the sha256 of the q/k/v/o kernels the
+  adapter modifies (as float32 bytes)."""
+  digest = hashlib.sha256()
+  for i in range(config.num_layers):
+    attn = base_params[f'layers_{i}']['attn']
+    for name in DEFAULT_TARGETS:
+      digest.update(np.ascontiguousarray(
+          np.asarray(attn[name]['kernel'], np.float32)).tobytes())
+  keys = ('vocab_size', 'num_layers', 'embed_dim', 'num_heads',
+          'num_kv_heads', 'head_dim', 'mlp_dim')
+  return {'shape': {k: getattr(config, k) for k in keys},
+          'attn_sha256': digest.hexdigest()}
+
+
+def write_adapter(out_dir: str | os.PathLike, config: ModelConfig,
+                  base_params: dict, params: dict, lora: dict, *,
+                  alpha: float, provenance: dict | None = None) -> str:
+  """Writes the adapter of a LoRA conversion atomically; returns out_dir.
+
+  config: the converted (Orthros) config; base_params: the dense teacher's
+  params the adapter applies to; params: the unmerged Orthros params (base
+  weights + feature maps + window weights); lora: {layer: {proj: {a, b}}}.
+  """
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+  if not config.is_orthros:
+    raise ValueError('write_adapter needs the converted Orthros config')
+  if not lora:
+    raise ValueError('an adapter holds low-rank deltas: the conversion was a '
+                     'full finetune (stage2.lora_rank=0); save its full '
+                     'params instead')
+  tensors = {}
+  for i in range(config.num_layers):
+    layer = f'layers_{i}'
+    attn = params[layer]['attn']
+    for name in ('phi_q', 'phi_k'):
+      tensors[f'{layer}.attn.{name}.proj'] = np.asarray(attn[name]['proj'],
+                                                        np.float32)
+    tensors[f'{layer}.attn.window_logit'] = np.asarray(attn['window_logit'],
+                                                       np.float32)
+    for proj, ab in lora.get(layer, {}).items():
+      tensors[f'{layer}.attn.{proj}.lora_a'] = np.asarray(ab['a'], np.float32)
+      tensors[f'{layer}.attn.{proj}.lora_b'] = np.asarray(ab['b'], np.float32)
+  ranks = {int(ab['a'].shape[1]) for layer in lora.values()
+           for ab in layer.values()}
+  meta = {'model_config': dataclasses.asdict(config),
+          'lora_alpha': float(alpha), 'lora_rank': ranks.pop(),
+          'base': base_fingerprint(config, base_params),
+          'provenance': provenance or {}}
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix='.adapter-', dir=parent)
+  os.chmod(tmp, 0o755)
+  try:
+    save_file(tensors, os.path.join(tmp, WEIGHTS))
+    with open(os.path.join(tmp, CONFIG), 'w') as f:
+      json.dump(meta, f, indent=1)
+    if os.path.isdir(out_dir):
+      shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return out_dir
+
+
+def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, Any]]:
+  """(meta, tensors) of an adapter directory; clear errors naming files."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+
+  path = os.fspath(path)
+  config_file, weights_file = (os.path.join(path, CONFIG),
+                               os.path.join(path, WEIGHTS))
+  for f in (config_file, weights_file):
+    if not os.path.isfile(f):
+      raise FileNotFoundError(f'adapter file {f} is missing: an adapter '
+                              f'directory holds {CONFIG} and {WEIGHTS}')
+  try:
+    with open(config_file) as f:
+      meta = json.load(f)
+    for key in ('model_config', 'lora_alpha', 'base'):
+      if key not in meta:
+        raise KeyError(key)
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f'{config_file} is not a valid adapter config: {e!r}'
+                     ) from e
+  try:
+    tensors = load_file(weights_file)
+  except Exception as e:  # safetensors raises its own error types
+    raise ValueError(f'{weights_file} is not a readable safetensors file: '
+                     f'{e}') from e
+  return meta, tensors
+
+
+def apply_adapter(path: str | os.PathLike, base_config: ModelConfig,
+                  base_params: dict) -> tuple[ModelConfig, dict]:
+  """(Orthros config, merged params) of an adapter applied to a dense base."""
+  from orthros_jax.training.train_lm import model_config_from  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  meta, tensors = read_adapter(path)
+  config = model_config_from(meta['model_config'])
+  where = os.path.join(os.fspath(path), CONFIG)
+  fingerprint = base_fingerprint(base_config, base_params)
+  if fingerprint['shape'] != meta['base']['shape']:
+    raise ValueError(f'{where} was made for a base of shape '
+                     f"{meta['base']['shape']}, not {fingerprint['shape']}")
+  if fingerprint['attn_sha256'] != meta['base'].get('attn_sha256'):
+    raise ValueError(f'{where} was made for other base weights (the sha256 '
+                     'of their q/k/v/o kernels differs); apply it to the '
+                     'model it was converted from')
+  params = {k: v for k, v in base_params.items()}
+  lora: dict = {}
+  for i in range(config.num_layers):
+    layer = f'layers_{i}'
+    attn = dict(params[layer]['attn'])
+    for name in TRANSFER_PARAMS:
+      if name == 'window_logit':
+        attn[name] = jnp.asarray(tensors[f'{layer}.attn.{name}'])
+      else:
+        attn[name] = {'proj': jnp.asarray(tensors[f'{layer}.attn.{name}.proj'])}
+    params[layer] = dict(params[layer], attn=attn)
+    for proj in DEFAULT_TARGETS:
+      key = f'{layer}.attn.{proj}.lora_a'
+      if key in tensors:
+        lora.setdefault(layer, {})[proj] = {
+            'a': jnp.asarray(tensors[key]),
+            'b': jnp.asarray(tensors[f'{layer}.attn.{proj}.lora_b'])}
+  return config, merge_lora(params, lora, alpha=float(meta['lora_alpha']))
+
+
+def export_from_conversion(workdir: str | os.PathLike,
+                           out_dir: str | os.PathLike) -> str:
+  """The adapter of a finished (or stopped) LoRA conversion in `workdir`:
+  feature maps and window weights from its latest stage-2 checkpoint's base,
+  the LoRA factors of that checkpoint, the teacher named in its
+  config.json as the base."""
+  from orthros_jax.conversion import pipeline  # pylint: disable=g-import-not-at-top
+  from orthros_jax.training import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+
+  workdir = os.path.abspath(os.fspath(workdir))
+  config_file = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(config_file):
+    raise FileNotFoundError(f'{config_file} is missing: pass a convert.py '
+                            'workdir')
+  with open(config_file) as f:
+    cfg = json.load(f)
+  stage2 = os.path.join(workdir, 'stage2')
+  params, model_cfg, step = ckpt_lib.load_params(stage2)
+  del model_cfg
+  if not params.get('lora'):
+    raise ValueError(f'{stage2} holds a full finetune (no LoRA): it has no '
+                     'adapter; ship its params instead')
+  teacher, teacher_params, info = pipeline.load_teacher(cfg['teacher'])
+  config = pipeline.orthros_config(teacher, cfg['attention'])
+  alpha = float(cfg['stage2'].get('lora_alpha', 16.0))
+  return write_adapter(
+      out_dir, config, teacher_params, params['base'], params['lora'],
+      alpha=alpha, provenance={'conversion_workdir': workdir,
+                               'stage2_step': step, 'teacher': info,
+                               'conversion_config': cfg})
+
+
+def main(argv=None) -> None:
+  import argparse  # pylint: disable=g-import-not-at-top
+
+  parser = argparse.ArgumentParser(
+      description='Write the Orthros adapter (feature maps, window weights, '
+      'LoRA factors) of a convert.py workdir.')
+  parser.add_argument('workdir')
+  parser.add_argument('out_dir')
+  args = parser.parse_args(argv)
+  print(export_from_conversion(args.workdir, args.out_dir))
+
+
+if __name__ == '__main__':
+  main()
