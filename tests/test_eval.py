@@ -20,6 +20,7 @@ from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import retrieval
 from orthros_jax.evaluation import speed
 from orthros_jax.evaluation import suite
+from orthros_jax.evaluation import tasks as tasks_lib
 from orthros_jax.evaluation import variants
 from orthros_jax.model import Transformer
 from orthros_jax.training import checkpoint as ckpt_lib
@@ -291,3 +292,53 @@ def test_every_retrieval_task_runs_through_the_suite(checkpoints, tmp_path):
     assert r['n'] == 1 and 0.0 <= r['accuracy'] <= 1.0
   report = (tmp_path / 'report.md').read_text()
   assert all(f'| {name} |' in report for name in tasks.TASKS)
+
+
+def test_eval_smollm2_variants():
+  from configs import eval_smollm2
+  full = eval_smollm2.get_config()
+  assert set(full.models) >= {'teacher', 'dense', 'window', 'window_sinks',
+                              'orthros', 'orthros_nosinks', 'linear'}
+  # 'main': at least 100 examples per cell at 2K and 50 at 4K (5 depths).
+  main = eval_smollm2.get_config('main')
+  for task in ('passkey', 'niah'):
+    spec = main.tasks[task]
+    counts = dict(zip(spec.lengths, spec.num_examples))
+    assert counts[2048] * len(spec.depths) >= 100
+    assert counts[4096] * len(spec.depths) >= 50
+  assert all(len(s.num_examples) == len(s.lengths)
+             for s in full.tasks.values())
+  assert max(eval_smollm2.get_config('quick').tasks.passkey.lengths) <= 2048
+  with pytest.raises(ValueError, match='expected'):
+    eval_smollm2.get_config('fast')
+
+
+def test_task_counts_per_length_and_generation_budget(checkpoints,
+                                                     monkeypatch):
+  models = {'orthros': suite.load_models(_smoke_config(checkpoints))[0][
+      'orthros']}
+  tok = get_tokenizer('byte')
+  budgets = []
+  greedy = retrieval.greedy
+
+  def spy(*args, max_new_tokens, **kwargs):
+    budgets.append(max_new_tokens)
+    return greedy(*args, max_new_tokens=max_new_tokens, **kwargs)
+
+  monkeypatch.setattr(retrieval, 'greedy', spy)
+  rows = suite.run_tasks(models, {'passkey': dict(
+      lengths=(300, 320), num_examples=(1, 2), max_new_tokens=9)}, tok,
+                         seed=0, progress=False)
+  assert [(r['length'], r['n']) for r in rows] == [(300, 1), (320, 2)]
+  # The budget is honoured: 9 new tokens where the answer needs 6; without
+  # one, the longest answer plus its eos.
+  ex = tasks_lib.make_examples('passkey', 0, tok, 300, 1)[0]
+  assert len(ex.target) + 1 < 9 and set(budgets) == {9}
+  budgets.clear()
+  suite.run_tasks(models, {'passkey': dict(lengths=(300,), num_examples=1)},
+                  tok, seed=0, progress=False)
+  assert budgets == [len(ex.target) + 1]
+  with pytest.raises(ValueError, match='one per length'):
+    suite.run_tasks(models, {'passkey': dict(lengths=(300, 320),
+                                             num_examples=(1, 2, 3))},
+                    tok, seed=0, progress=False)

@@ -67,16 +67,13 @@ def write_adapter(out_dir: str | os.PathLike, config: ModelConfig,
 
   config: the converted (Orthros) config; base_params: the dense teacher's
   params the adapter applies to; params: the unmerged Orthros params (base
-  weights + feature maps + window weights); lora: {layer: {proj: {a, b}}}.
+  weights + feature maps + window weights); lora: {layer: {proj: {a, b}}}
+  ({} for an adapter of feature maps and windows only: after stage 1).
   """
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
   if not config.is_orthros:
     raise ValueError('write_adapter needs the converted Orthros config')
-  if not lora:
-    raise ValueError('an adapter holds low-rank deltas: the conversion was a '
-                     'full finetune (stage2.lora_rank=0); save its full '
-                     'params instead')
   tensors = {}
   for i in range(config.num_layers):
     layer = f'layers_{i}'
@@ -91,8 +88,11 @@ def write_adapter(out_dir: str | os.PathLike, config: ModelConfig,
       tensors[f'{layer}.attn.{proj}.lora_b'] = np.asarray(ab['b'], np.float32)
   ranks = {int(ab['a'].shape[1]) for layer in lora.values()
            for ab in layer.values()}
+  if len(ranks) > 1:
+    raise ValueError(f'LoRA factors of several ranks {sorted(ranks)}')
   meta = {'model_config': dataclasses.asdict(config),
-          'lora_alpha': float(alpha), 'lora_rank': ranks.pop(),
+          'lora_alpha': float(alpha),
+          'lora_rank': ranks.pop() if ranks else 0,
           'base': base_fingerprint(config, base_params),
           'provenance': provenance or {}}
   out_dir = os.path.abspath(os.fspath(out_dir))
@@ -179,11 +179,15 @@ def apply_adapter(path: str | os.PathLike, base_config: ModelConfig,
 
 
 def export_from_conversion(workdir: str | os.PathLike,
-                           out_dir: str | os.PathLike) -> str:
-  """The adapter of a finished (or stopped) LoRA conversion in `workdir`:
-  feature maps and window weights from its latest stage-2 checkpoint's base,
-  the LoRA factors of that checkpoint, the teacher named in its
-  config.json as the base."""
+                           out_dir: str | os.PathLike,
+                           stage: str = 'stage2') -> str:
+  """The adapter of a finished (or stopped) LoRA conversion in `workdir`,
+  applied to the teacher named in its config.json: from the latest stage-2
+  checkpoint, its base's feature maps and windows and its LoRA factors; with
+  stage='stage1', the feature maps and windows of the latest stage-1
+  checkpoint alone (no LoRA: attention transfer only)."""
+  if stage not in ('stage1', 'stage2'):
+    raise ValueError(f"stage={stage!r}: expected 'stage1' or 'stage2'")
   from orthros_jax.conversion import pipeline  # pylint: disable=g-import-not-at-top
   from orthros_jax.training import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
 
@@ -194,20 +198,23 @@ def export_from_conversion(workdir: str | os.PathLike,
                             'workdir')
   with open(config_file) as f:
     cfg = json.load(f)
-  stage2 = os.path.join(workdir, 'stage2')
-  params, model_cfg, step = ckpt_lib.load_params(stage2)
+  stage_dir = os.path.join(workdir, stage)
+  params, model_cfg, step = ckpt_lib.load_params(stage_dir)
   del model_cfg
-  if not params.get('lora'):
-    raise ValueError(f'{stage2} holds a full finetune (no LoRA): it has no '
-                     'adapter; ship its params instead')
+  if stage == 'stage1':
+    lora = {}
+  elif not params.get('lora'):
+    raise ValueError(f'{stage_dir} holds a full finetune (no LoRA): it has '
+                     'no adapter; ship its params instead')
+  else:
+    params, lora = params['base'], params['lora']
   teacher, teacher_params, info = pipeline.load_teacher(cfg['teacher'])
   config = pipeline.orthros_config(teacher, cfg['attention'])
   alpha = float(cfg['stage2'].get('lora_alpha', 16.0))
   return write_adapter(
-      out_dir, config, teacher_params, params['base'], params['lora'],
-      alpha=alpha, provenance={'conversion_workdir': workdir,
-                               'stage2_step': step, 'teacher': info,
-                               'conversion_config': cfg})
+      out_dir, config, teacher_params, params, lora, alpha=alpha,
+      provenance={'conversion_workdir': workdir, 'stage': stage,
+                  'step': step, 'teacher': info, 'conversion_config': cfg})
 
 
 def main(argv=None) -> None:
@@ -218,8 +225,10 @@ def main(argv=None) -> None:
       'LoRA factors) of a convert.py workdir.')
   parser.add_argument('workdir')
   parser.add_argument('out_dir')
+  parser.add_argument('--stage', default='stage2',
+                      choices=('stage1', 'stage2'))
   args = parser.parse_args(argv)
-  print(export_from_conversion(args.workdir, args.out_dir))
+  print(export_from_conversion(args.workdir, args.out_dir, args.stage))
 
 
 if __name__ == '__main__':

