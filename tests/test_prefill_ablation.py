@@ -180,3 +180,26 @@ def test_run_writes_report(tmp_path):
   save_params(str(tmp_path / 'dense'), params_of(dense), dense, step=1)
   with pytest.raises(ValueError, match='dense model'):
     ablation.run(str(tmp_path / 'dense'), '', 'niah', 160, 1, 0, 'byte')
+
+
+def test_window_zero_shot_script(tmp_path):
+  """benchmarks/window_zero_shot.py on the committed tiny teacher: the
+  three rows, JSON and table; with a window covering the prompt the window
+  rows generate exactly what the teacher does (exact softmax)."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, 'benchmarks/window_zero_shot.py',
+         '--teacher', 'assets/tiny_teacher', '--tokenizer', 'byte',
+         '--tasks', 'passkey', '--lengths', '300', '--num_examples', '2',
+         '--batch_size', '2', '--window', '512', '--sinks', '2',
+         '--out', str(tmp_path)]
+  proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True,
+                        timeout=900, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / 'results.json') as f:
+    res = json.load(f)
+  assert set(res['models']) == {'teacher', 'window', 'window_sinks'}
+  acc = {r['model']: r['samples'] for r in res['rows']}
+  assert acc['window'] == acc['teacher'] == acc['window_sinks']
+  assert '| passkey | 300 |' in (tmp_path / 'report.md').read_text()
