@@ -33,7 +33,7 @@ class AttentionConfig:
   """How attention is computed.
 
   kind: 'dense' (exact softmax in every phase) or 'orthros' (hybrid prefill,
-    exact decode; ARCHITECTURE.md section 3).
+    exact decode; docs/ARCHITECTURE.md section 3).
   feature_map: phi for the linear part: 'hedgehog' (learned projection then
     [softmax(xW), softmax(-xW)]), 'elu' (elu(xW)+1), 'relu' (relu(xW)),
     'taylor' (2nd-order Taylor expansion of exp, as in Based).

@@ -1,4 +1,4 @@
-"""Pallas split-KV flash decoding (ARCHITECTURE.md section 6).
+"""Pallas split-KV flash decoding (docs/ARCHITECTURE.md section 6).
 
 Einsum legend: B batch, Tq new tokens, H query heads, K kv heads, G = H / K,
 M = G * Tq query rows of one kv head, S cache length, L split length, D head

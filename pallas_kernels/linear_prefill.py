@@ -1,4 +1,4 @@
-"""Pallas kernel for the Orthros prefill (ARCHITECTURE.md sections 3 and 6).
+"""Pallas kernel for the Orthros prefill (docs/ARCHITECTURE.md sections 3 and 6).
 
 Einsum legend: B batch, N tokens (prefix + new), C chunk, S keys of a chunk's
 block = (nb + 1) * C, H query heads, K kv heads, G = H / K, D head dim,

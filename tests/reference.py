@@ -1,4 +1,4 @@
-"""Float64 numpy references for the attention math (ARCHITECTURE.md section 3).
+"""Float64 numpy references for the attention math (docs/ARCHITECTURE.md section 3).
 
 Written from the formulas, not from the implementation: explicit loops over
 batch, head and query, one weight vector per query. Slow, but only used on

@@ -1,7 +1,7 @@
 """Attention math against float64 numpy references and exact identities.
 
 Every test uses random non-zero inputs with odd sizes (T=37, D=12, ...); the
-expected values come from `tests/reference.py`, written from ARCHITECTURE.md
+expected values come from `tests/reference.py`, written from docs/ARCHITECTURE.md
 section 3, or from an identity the formula implies (W >= T is softmax, W = 0
 is linear attention, the result does not depend on the chunk size, continued
 prefill equals one piece).

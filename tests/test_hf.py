@@ -319,7 +319,7 @@ def test_orthros_attention_adds_fresh_params(checkpoints):
 
 def test_orthros_with_full_window_matches_transformers(checkpoints):
   # A window covering the whole prompt makes the Orthros prefill exact softmax
-  # (ARCHITECTURE.md section 3), so the converted model must match HF.
+  # (docs/ARCHITECTURE.md section 3), so the converted model must match HF.
   from orthros_jax.model import Transformer  # pylint: disable=g-import-not-at-top
   path, hf_model = checkpoints('llama')
   tokens = np.array(_prompts()[0])[None]  # [1, T]

@@ -1,4 +1,4 @@
-"""Pallas kernels (ARCHITECTURE.md section 6) against the XLA references.
+"""Pallas kernels (docs/ARCHITECTURE.md section 6) against the XLA references.
 
 Both kernels have two launch schedules, selected with `platform=`:
   'tpu'  grid over chunks / splits, VMEM scratch state, scalar prefetch;

@@ -1,7 +1,7 @@
 """Attention math (pure functions, XLA): the single source of truth.
 
 `softmax_attention` and `decode_attention` are exact; `orthros_prefill` is the
-hybrid window-softmax + linear prefill of ARCHITECTURE.md section 3.
+hybrid window-softmax + linear prefill of docs/ARCHITECTURE.md section 3.
 """
 
 from orthros_jax.attention.orthros import LinearState

@@ -3,7 +3,7 @@
 Einsum legend: B batch, T tokens, C chunk, S keys of one chunk's block,
 H query heads, K kv heads, G group (H / K), D head dim, F feature dim.
 
-For a query at t with window W (ARCHITECTURE.md section 3):
+For a query at t with window W (docs/ARCHITECTURE.md section 3):
   window keys  t-W < j <= t :  w_tj = gamma_h * exp(q_t.k_j / sqrt(D) - m_t)
   older keys   j <= t-W     :  w_tj = phi_q(q_t) . phi_k(k_j)
   y_t = sum_j w_tj v_j / sum_j w_tj       (one shared denominator; 0 if it is 0)
