@@ -28,7 +28,10 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # Rows (orthros_jax/evaluation/variants.py): teacher, dense, window,
   # window_sinks, orthros, orthros_nosinks / orthros_sinks, linear,
   # linear_trained (needs linear_checkpoint); sinks: N of the sink rows.
-  c.models = ('teacher', 'orthros', 'linear')
+  # 'window' (the linear term removed, same weights) shows whether the
+  # linear part matters at these lengths.
+  c.models = (('teacher', 'orthros', 'linear') if smoke else
+              ('teacher', 'window', 'orthros', 'linear'))
   c.sinks = 4
   c.linear_checkpoint = ''
   c.tokenizer = 'byte'
