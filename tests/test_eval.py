@@ -163,7 +163,7 @@ def test_suite_writes_results_report_and_plots(checkpoints, tmp_path):
   report = (tmp_path / 'report.md').read_text()
   assert '## Summary' in report and results['summary_table'] in report
   for name in ('speed.png', 'retrieval.png', 'passkey_heatmap.png',
-               'niah_heatmap.png', 'speed.csv'):
+               'niah_heatmap.png', 'speed.csv', 'quality.png'):
     assert (tmp_path / name).stat().st_size > 0
 
 

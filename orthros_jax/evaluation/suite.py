@@ -296,6 +296,32 @@ def speed_table(speed: dict) -> str:
   return '\n'.join(lines)
 
 
+def _quality_plot(out_dir: str, quality: dict) -> list[str]:
+  """Perplexity per model: inference path and teacher-forced prefill."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return []
+  names = list(quality)
+  x = np.arange(len(names))
+  fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2.5, 3.5))
+  for i, label in enumerate(('inference', 'teacher_forced')):
+    ppl = [quality[m][label]['perplexity'] for m in names]
+    ax.bar(x + (i - 0.5) * 0.38, ppl, 0.38, label=label.replace('_', '-'))
+  ax.set_xticks(x, names, rotation=20)
+  ax.set_ylabel('perplexity (log scale)')
+  ax.set_yscale('log')
+  ax.legend()
+  ax.grid(alpha=0.3, axis='y')
+  fig.tight_layout()
+  path = os.path.join(out_dir, 'quality.png')
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return [path]
+
+
 def _plots(out_dir: str, rows: list[dict], models: list[str]) -> list[str]:
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
@@ -435,6 +461,8 @@ def run(config, out_dir: str | os.PathLike) -> dict:
     if plot:
       md += ['', '![speed](speed.png)']
   plots = _plots(out_dir, rows, names)
+  if quality:
+    plots += _quality_plot(out_dir, quality)
   md += [''] + [f'![{os.path.basename(p)}]({os.path.basename(p)})'
                 for p in plots]
   with open(os.path.join(out_dir, 'report.md'), 'w') as f:
