@@ -45,7 +45,8 @@ smollm2: $(VENV)/.installed-smollm2
 	$(PY) -m orthros_jax.checkpoints.gguf smollm2 $(SMOLLM2_DIR)
 
 corpus: $(VENV)/.installed
-	$(PY) -m orthros_jax.data.corpus $(CORPUS_DIR)
+	$(PY) -m orthros_jax.data.corpus $(CORPUS_DIR) \
+	  $(if $(wildcard $(SMOLLM2_DIR)/tokenizer.json),--tokenizer $(SMOLLM2_DIR))
 
 demo: $(VENV)/.installed
 	$(PY) convert.py --config=configs/convert_tiny.py \

@@ -232,3 +232,17 @@ def test_real_stdlib_documents_have_no_eval_text(tmp_path):
   assert manifest['splits']['train']['documents'] > 0
   for text in docs.values():
     assert not corpus.contains_eval_text(text)
+
+
+def test_count_tokens_counts_documents_and_eos(tmp_path):
+  """With the byte tokenizer a document of n ASCII characters is n tokens,
+  plus its eos."""
+  root = fake_root(tmp_path, {'alpha.py': ALPHA, 'b/c.py': module(LONG)})
+  out = tmp_path / 'out'
+  corpus.build_corpus(out, root=root, min_chars=300)
+  counts = corpus.count_tokens(out, 'byte')
+  for split in ('train', 'heldout'):
+    with open(out / f'{split}.jsonl', encoding='utf-8') as f:
+      docs = [json.loads(line)['text'] for line in f if line.strip()]
+    assert counts[split] == sum(len(d.encode('utf-8')) + 1 for d in docs)
+  assert sum(counts.values()) > 0

@@ -369,13 +369,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument('out_dir')
   parser.add_argument('--min_chars', type=int, default=500)
   parser.add_argument('--heldout_per_mille', type=int, default=50)
+  parser.add_argument('--tokenizer', default=None,
+                      help='also count tokens per split with this tokenizer '
+                      "(a tokenizer.json or a directory holding one, or 'byte')")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   manifest = build_corpus(args.out_dir, min_chars=args.min_chars,
                           heldout_per_mille=args.heldout_per_mille, progress=True)
   print(summary(manifest))
+  if args.tokenizer:
+    counts = count_tokens(args.out_dir, args.tokenizer)
+    print('tokens (documents + eos, ' + args.tokenizer + '): ' + ', '.join(
+        f'{split} {n:,}' for split, n in counts.items()))
   print(f'{args.out_dir} ({time.perf_counter() - start:.1f} s)')
   return manifest
+
+
+def count_tokens(out_dir: str | os.PathLike, tokenizer) -> dict[str, int]:
+  """Tokens of each split as the text pipeline packs them (each document
+  then its eos)."""
+  from orthros_jax.data.text import read_documents  # pylint: disable=g-import-not-at-top
+  from orthros_jax.data.tokenizers import get_tokenizer  # pylint: disable=g-import-not-at-top
+  tok = get_tokenizer(tokenizer)
+  return {split: sum(len(tok.encode(doc)) + 1 for doc in read_documents(
+      os.path.join(os.fspath(out_dir), f'{split}.jsonl')))
+          for split in ('train', 'heldout')}
 
 
 if __name__ == '__main__':
