@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 --durations=15
 
-.PHONY: demo test install clean smollm2 corpus
+.PHONY: demo test install clean smollm2 smollm2-eval corpus
 
 # The demo: the committed tiny dense teacher (assets/tiny_teacher, made by
 # train.py: see its README) -> convert.py -> eval.py, three-way report.
@@ -43,6 +43,14 @@ SMOLLM2_DIR ?= results/smollm2/hf
 CORPUS_DIR ?= results/corpus_pydoc
 smollm2: $(VENV)/.installed-smollm2
 	$(PY) -m orthros_jax.checkpoints.gguf smollm2 $(SMOLLM2_DIR)
+
+# The committed SmolLM2 adapter applied to the exported GGUF teacher, a
+# short evaluation (configs/eval_smollm2.py:quick): its table is printed.
+SMOLLM2_ADAPTER ?= assets/smollm2_orthros_stage1
+smollm2-eval: smollm2
+	$(PY) eval.py --config=configs/eval_smollm2.py:quick \
+	  --config.checkpoint=$(SMOLLM2_ADAPTER) --config.teacher=$(SMOLLM2_DIR) \
+	  --config.tokenizer=$(SMOLLM2_DIR) --out=results/smollm2_quick
 
 corpus: $(VENV)/.installed
 	$(PY) -m orthros_jax.data.corpus $(CORPUS_DIR) \

@@ -73,7 +73,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
     c.speed = {}
   elif arg == 'quick':
     c.models = ('teacher', 'window_sinks', 'orthros', 'linear')
-    quick = dict(lengths=(1024, 2048), depths=(0.25, 0.5, 0.75),
+    quick = dict(lengths=(1024, 2048), depths=(0.25, 0.75),
                  num_examples=(2, 2), max_new_tokens=BUDGET)
     c.tasks = dict(passkey=dict(quick), niah=dict(quick))
     c.quality = {}

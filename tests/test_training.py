@@ -252,7 +252,7 @@ def test_prompt_split_trains_the_prefill_formula_on_text():
   # The gradient of the loss reaches the feature maps (phi_q, phi_k).
   loss = lambda p: tr.step._forward_loss(
       config, 'prompt', tr.next_token_loss, p, text, jax.random.PRNGKey(3))[0]
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   phi = [float(jnp.abs(g).max()) for path, g in
          jax.tree_util.tree_flatten_with_path(grads)[0]
          if 'phi_q' in tr.optim.path_str(path)]

@@ -176,10 +176,11 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
         options['depth'] = depth
       bar.set_postfix_str(f'{task} L={length}'
                           + ('' if depth is None else f' d={depth}'))
+      # Batches of at most 8 prompts, never padded beyond the cell's count.
       result = retrieval.run_task(models, task, tokenizer, length=length,
                                   num_examples=num, seed=seed,
-                                  options=options, max_new_tokens=budget,
-                                  progress=bar.update)
+                                  batch_size=min(8, num), options=options,
+                                  max_new_tokens=budget, progress=bar.update)
       for model, r in result.items():
         rows.append(dict(r, model=model, task=task, length=length,
                          depth=depth))
