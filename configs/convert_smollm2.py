@@ -18,8 +18,8 @@ and window weights to match each layer's attention output (per-layer MSE,
 lr 1e-2); stage 2 trains LoRA r=8 (alpha 16) on q/k/v/o at lr 1e-4 with
 next-token loss through a random prefill/decode split of every text row.
 Sinks: the first 4 tokens stay exact in every prefill query (StreamingLLM);
-this pretrained model parks attention on them (benchmarks/RESULTS.md has
-the zero-shot measurement). Budget: 160 + 160 steps of 1024 x 2 tokens
+pretrained models park attention on their first tokens (the window rows
+of eval.py measure it: benchmarks/RESULTS.md). Budget: 160 + 160 steps of 1024 x 2 tokens
 (0.33M + 0.33M tokens); wall time on a 2-core CPU in benchmarks/RESULTS.md.
 convert.py resumes a killed run where it stopped.
 """
