@@ -340,11 +340,8 @@ def load_gguf(path: str | os.PathLike,
 
 
 def _file_digest(path: str) -> str:
-  h = hashlib.sha256()
   with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 22), b''):
-      h.update(block)
-  return h.hexdigest()
+    return hashlib.file_digest(f, 'sha256').hexdigest()
 
 
 def export_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> str:

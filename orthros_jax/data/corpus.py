@@ -240,11 +240,8 @@ def _documents(root: str, files: Sequence[str], progress: bool) -> Iterator[tupl
 # ------------------------------------------------------------------- output
 
 def _sha256(path: str) -> str:
-  h = hashlib.sha256()
   with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 20), b''):
-      h.update(block)
-  return h.hexdigest()
+    return hashlib.file_digest(f, 'sha256').hexdigest()
 
 
 def _params(root: str, min_chars: int, heldout_per_mille: int,
