@@ -21,9 +21,28 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-# Above this many (query, key) pairs per head the blocked path is used.
-_NAIVE_MAX_PAIRS = 1 << 20
-_DEFAULT_BLOCK = 512
+# Above this many (query, key) pairs per head the blocked path is used, with
+# this block size. On the CPU the one-einsum path is the slower one beyond
+# a few hundred tokens (its [T, S] passes are memory bound, and blocks skip
+# the masked half of a causal problem): measured with the SmolLM2 shape
+# (9 / 3 heads of 64), blocks of 256 beat it 2.5x forward at T = S = 512,
+# 5x forward and 2.8x forward + backward at 1024, 1.6x forward at 2048
+# (benchmarks/RESULTS.md); up to 256 x 256 the single einsum stays (1.7x
+# slower there, but milliseconds, and it compiles faster). Accelerators
+# keep the large single einsum, which they run as a few big matmuls.
+_NAIVE_MAX_PAIRS = {'cpu': 1 << 16}
+_NAIVE_MAX_PAIRS_DEFAULT = 1 << 20
+_DEFAULT_BLOCK = {'cpu': 256}
+_DEFAULT_BLOCK_OTHER = 512
+
+
+def _auto_block(t: int, s: int) -> int | None:
+  """None (one einsum) or the block size the blocked path uses for a
+  [t, s] problem on this backend."""
+  backend = jax.default_backend()
+  if t * s <= _NAIVE_MAX_PAIRS.get(backend, _NAIVE_MAX_PAIRS_DEFAULT):
+    return None
+  return _DEFAULT_BLOCK.get(backend, _DEFAULT_BLOCK_OTHER)
 
 
 def softmax_attention(q: Array, k: Array, v: Array, *, causal: bool = True,
@@ -87,9 +106,9 @@ def _check_shapes(q, k, v):
 def _attend(q, k, v, q_pos, kv_len, *, causal, block_size):
   t, s = q.shape[1], k.shape[1]
   if block_size is None:
-    if t * s <= _NAIVE_MAX_PAIRS:
+    block_size = _auto_block(t, s)
+    if block_size is None:
       return _attend_naive(q, k, v, q_pos, kv_len, causal=causal)
-    block_size = _DEFAULT_BLOCK
   if block_size < 1:
     raise ValueError(f'block_size={block_size} must be >= 1')
   return _attend_blocked(q, k, v, q_pos, kv_len, causal=causal,
