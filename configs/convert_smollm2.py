@@ -53,7 +53,10 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   steps1, steps2 = (3, 3) if smoke else (160, 160)
   # window_logit at 30x: gamma must move from 0.1 to where the teacher's
   # local share puts it within a short stage (configs/convert_tiny.py).
-  c.stage1 = dict(tokens=steps1 * batch * seq_len, learning_rate=1e-2,
+  # --config.stage1.from_adapter=assets/smollm2_orthros_stage1 skips the
+  # stage: its committed result (this recipe's stage 1, 160 steps).
+  c.stage1 = dict(tokens=steps1 * batch * seq_len, from_adapter='',
+                  learning_rate=1e-2,
                   lr_multipliers={'window_logit': 30.0},
                   warmup_steps=1 if smoke else 8, weight_decay=0.0,
                   log_every=1 if smoke else 5,

@@ -65,8 +65,11 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # rate per step, and gamma = sigmoid(window_logit) must go from its 0.1
   # initialisation to about 0.9 (logit -2.2 -> 2.5) for the window to carry
   # the share of attention the teacher gives it; at 1x it ends at 0.12.
+  # from_adapter: a stage-1 adapter directory (conversion/adapter.py) of
+  # this teacher and attention config; its feature maps and windows replace
+  # the stage (nothing trains in it; the report counts its tokens).
   c.stage1 = dict(tokens=(4 if smoke else 40) * batch * seq_len,
-                  learning_rate=1e-2, lr_multipliers={'window_logit': 30.0},
+                  from_adapter='', learning_rate=1e-2, lr_multipliers={'window_logit': 30.0},
                   warmup_steps=1 if smoke else 4,
                   weight_decay=0.0, log_every=1 if smoke else 5,
                   checkpoint_every=2 if smoke else 20, progress=not smoke)

@@ -5,10 +5,20 @@
       --config.checkpoint=results/smollm2/convert          # or the adapter
   python eval.py --config=configs/eval_smollm2.py:main ...  # 100/50 examples
 
-`arg`: '' every baseline row at 1K/2K/4K (30 examples per cell), held-out
+`arg`: '' every baseline row at 2K/4K/1K (30 examples per cell), held-out
 text perplexity with a 2K-token prefix, speed from 1K to 8K; 'main' the
 teacher and Orthros only, passkey and niah at 2K (100 examples) and 4K (50);
+'baselines' every row on passkey and niah at 2K and 4K (30 per cell: the
+same cells as '', so a later '' run in the same --out reuses them);
 'quick' what `make smollm2-eval` runs in minutes (a few examples up to 2K).
+Finished cells are stored in the output directory
+(retrieval_cells.jsonl): a killed run resumes where it stopped.
+
+Exact tail: every row on the converted weights decodes the last 64 prompt
+tokens exactly (the question and the chat template's assistant header
+read the whole cache, as the answer does); with 1, retrieval at 2K
+collapses for window and Orthros rows alike (benchmarks/exact_tail.py,
+measured on other examples, seed 99: benchmarks/RESULTS.md).
 Add the trained pure-linear floor with
 --config.models="(..., 'linear_trained')" --config.linear_checkpoint=DIR.
 No template of these tasks is in the conversion data
@@ -27,12 +37,14 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # An instruct model answers in a sentence ("The pass key is 12345."):
 # generation stops at eos, the budget leaves room for that.
 BUDGET = 24
+# Prompt tokens decoded exactly by every row on the converted weights.
+EXACT_TAIL = 64
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
-  if arg not in ('', 'main', 'quick'):
-    raise ValueError(f'configs/eval_smollm2.py:{arg}: expected main, quick '
-                     'or nothing')
+  if arg not in ('', 'main', 'baselines', 'quick'):
+    raise ValueError(f'configs/eval_smollm2.py:{arg}: expected main, '
+                     'baselines, quick or nothing')
   c = ml_collections.ConfigDict()
   c.name = 'smollm2' if not arg else f'smollm2_{arg}'
   # An Orthros checkpoint (convert.py workdir) or adapter directory; the
@@ -41,10 +53,12 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.teacher = TEACHER
   c.tokenizer = TEACHER
   c.sinks = 4
+  c.exact_tail = EXACT_TAIL
   c.linear_checkpoint = ''
   c.seed = 1234
   c.progress = True
-  lengths = (1024, 2048, 4096)
+  # 2K and 4K first: the acceptance cells finish before the 1K ones.
+  lengths = (2048, 4096, 1024)
   per_depth = (6, 6, 6)  # x 5 depths = 30 per cell
   ruler = dict(lengths=lengths, num_examples=(30, 30, 30),
                max_new_tokens=BUDGET)
@@ -69,6 +83,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                      num_examples=(20, 10), max_new_tokens=BUDGET),
         niah=dict(lengths=(2048, 4096), depths=DEPTHS,
                   num_examples=(20, 10), max_new_tokens=BUDGET))
+    c.quality = {}
+    c.speed = {}
+  elif arg == 'baselines':
+    c.tasks = dict(passkey=dict(c.tasks.passkey.to_dict(),
+                                lengths=(2048, 4096), num_examples=(6, 6)),
+                   niah=dict(c.tasks.niah.to_dict(), lengths=(2048, 4096),
+                             num_examples=(6, 6)))
     c.quality = {}
     c.speed = {}
   elif arg == 'quick':

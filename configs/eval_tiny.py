@@ -33,6 +33,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.models = (('teacher', 'orthros', 'linear') if smoke else
               ('teacher', 'window', 'orthros', 'linear'))
   c.sinks = 4
+  # Prompt tokens decoded exactly by every row on the converted weights
+  # (an inference setting); -1: as converted.
+  c.exact_tail = -1
   c.linear_checkpoint = ''
   c.tokenizer = 'byte'
   c.seed = 1234

@@ -503,6 +503,46 @@ def test_export_from_conversion_equals_the_pipeline_adapter(converted,
       np.asarray(stage1['layers_1']['attn']['phi_k']['proj']))
 
 
+def test_stage1_from_adapter_replaces_stage1(converted, teacher_dir,
+                                            tmp_path):
+  """stage1.from_adapter: stage 2 starts from the adapter's feature maps
+  and windows (no stage-1 step runs), the report counts the adapter's
+  stage-1 steps and tokens; a LoRA adapter or another attention config is
+  refused naming the file."""
+  workdir, report = converted
+  s1 = adapter_lib.export_from_conversion(workdir, tmp_path / 's1',
+                                          stage='stage1')
+  c = _convert_config(teacher_dir)
+  c.stage1.from_adapter = str(s1)
+  out = pipeline.convert(c, tmp_path / 'run')
+  assert not (tmp_path / 'run' / 'stage1').exists()
+  got = out['conversion']['stage1']
+  assert got['steps'] == report['conversion']['stage1']['steps'] == 4
+  assert got['tokens'] == report['conversion']['stage1']['tokens']
+  assert got['from_adapter'] == str(s1)
+  assert out['conversion']['tokens'] == report['conversion']['tokens']
+  # The same stage-1 params: the same held-out transfer MSE, and stage 2's
+  # frozen base carries the adapter's feature maps.
+  assert got['mse_after'] == pytest.approx(
+      report['conversion']['stage1']['mse_after'], rel=1e-6)
+  stage2, _, _ = ckpt_lib.load_params(tmp_path / 'run' / 'stage2')
+  _, t1 = adapter_lib.read_adapter(s1)
+  np.testing.assert_array_equal(
+      np.asarray(stage2['base']['layers_1']['attn']['phi_q']['proj']),
+      t1['layers_1.attn.phi_q.proj'])
+  assert 'from the adapter' in (tmp_path / 'run' / 'report.md').read_text()
+  c.stage1.from_adapter = str(workdir / 'adapter')
+  with pytest.raises(ValueError, match='adapter_config.json.*LoRA'):
+    pipeline.convert(c, tmp_path / 'lora')
+  c.stage1.from_adapter = str(s1)
+  c.attention.window = 6
+  with pytest.raises(ValueError, match='adapter_config.json.*window'):
+    pipeline.convert(c, tmp_path / 'other')
+  c.stage1.from_adapter = str(tmp_path / 'missing')
+  with pytest.raises(ValueError, match='not an adapter directory'):
+    pipeline.convert(c, tmp_path / 'missing_run')
+
+
 def test_adapter_refuses_other_base_and_broken_files(converted, teacher_dir,
                                                      tmp_path):
   workdir, _ = converted

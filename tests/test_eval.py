@@ -342,3 +342,64 @@ def test_task_counts_per_length_and_generation_budget(checkpoints,
     suite.run_tasks(models, {'passkey': dict(lengths=(300, 320),
                                              num_examples=(1, 2, 3))},
                     tok, seed=0, progress=False)
+
+
+def test_retrieval_cells_resume_and_follow_the_weights(checkpoints, tmp_path,
+                                                       monkeypatch):
+  """A rerun in the same out_dir computes no stored cell again (a killed
+  evaluation resumes), computes a cell whose model's weights changed, and
+  returns rows equal to the first run's."""
+  c = _smoke_config(checkpoints)
+  models = suite.load_models(c)[0]
+  models = {k: models[k] for k in ('teacher', 'orthros')}
+  tok = get_tokenizer('byte')
+  spec = {'passkey': dict(lengths=(300,), depths=(0.2, 0.8),
+                          num_examples=2)}
+  calls = []
+  run_task = retrieval.run_task
+
+  def spy(todo, *args, **kwargs):
+    calls.append(sorted(todo))
+    return run_task(todo, *args, **kwargs)
+
+  monkeypatch.setattr(retrieval, 'run_task', spy)
+  first = suite.run_tasks(models, spec, tok, seed=0, progress=False,
+                          out_dir=str(tmp_path))
+  assert calls == [['orthros', 'teacher']] * 2
+  lines = (tmp_path / suite.CELLS_FILE).read_text().splitlines()
+  assert len(lines) == 4
+  calls.clear()
+  again = suite.run_tasks(models, spec, tok, seed=0, progress=False,
+                          out_dir=str(tmp_path))
+  assert not calls and again == json.loads(json.dumps(first))
+  # A torn last line (killed mid-write) is ignored, not fatal.
+  with open(tmp_path / suite.CELLS_FILE, 'a') as f:
+    f.write('{"key": "abc", "ro')
+  # Other weights under the same name: recomputed, the teacher reused.
+  config, params, path = models['orthros']
+  moved = jax.tree.map(lambda x: x + 1e-3, params)
+  models['orthros'] = (config, moved, path)
+  suite.run_tasks(models, spec, tok, seed=0, progress=False,
+                  out_dir=str(tmp_path))
+  assert calls == [['orthros']] * 2
+  # Another count is another cell.
+  calls.clear()
+  spec['passkey']['num_examples'] = 1
+  suite.run_tasks(models, spec, tok, seed=0, progress=False,
+                  out_dir=str(tmp_path))
+  assert calls == [['orthros', 'teacher']] * 2
+
+
+def test_exact_tail_override_applies_to_every_converted_row(checkpoints):
+  c = _smoke_config(checkpoints)
+  c.models = ('teacher', 'window', 'window_sinks', 'orthros')
+  c.exact_tail = 5
+  models, desc = suite.load_models(c)
+  for name in ('window', 'window_sinks', 'orthros'):
+    assert models[name][0].attention.exact_tail == 5
+    assert 'last 5 prompt tokens' in desc[name]
+  assert not models['teacher'][0].is_orthros
+  c.exact_tail = -1
+  models, _ = suite.load_models(c)
+  assert models['orthros'][0].attention.exact_tail == (
+      ORTHROS.attention.exact_tail)

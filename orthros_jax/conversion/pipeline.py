@@ -25,7 +25,10 @@ The config (configs/convert_tiny.py documents every field):
   teacher:   checkpoint (a train.py workdir) or hf_dir; step; train_tokens
   attention: the Orthros AttentionConfig fields
   data:      make_dataset arguments for both stages (tokenizer included)
-  stage1, stage2: token budget and TrainConfig fields, plus stage2's
+  stage1, stage2: token budget and TrainConfig fields, plus stage1's
+             from_adapter (a stage-1 adapter directory of this teacher and
+             attention: its feature maps and windows replace the stage,
+             which then trains nothing) and stage2's
              lora_rank (0 = full finetune), lora_alpha, kl_weight,
              hidden_weight (stages.finetune_objective)
   eval:      seq_len, batch_size, seed, num_examples, sets (name -> dataset
@@ -71,6 +74,7 @@ from orthros_jax.training.train_lm import model_config_from
 
 _STAGE_KEYS = {'tokens'} | {f for f in loop.TrainConfig.__dataclass_fields__
                             if f not in ('num_steps', 'trainable')}
+_STAGE1_KEYS = _STAGE_KEYS | {'from_adapter'}
 _STAGE2_KEYS = _STAGE_KEYS | {'lora_rank', 'lora_alpha', 'kl_weight',
                               'hidden_weight',
                               'lora_targets'}
@@ -155,6 +159,47 @@ def init_student(teacher_params: dict, config: ModelConfig,
 
 
 # ----------------------------------------------------------------- stages
+
+
+def stage1_from_adapter(path: str, student: ModelConfig,
+                        teacher: ModelConfig, teacher_params: dict
+                        ) -> tuple[dict, dict]:
+  """(stage-1 params, summary) from a stage-1 adapter: the teacher's
+  weights with the adapter's feature maps and window weights, in place of
+  running stage 1. The adapter must hold no LoRA factors (a stage-2
+  adapter is a finished conversion), be made for these teacher weights
+  (apply_adapter checks the digest) and for this exact attention config.
+  The summary carries the stage's steps and tokens from the adapter's
+  provenance (None when it does not say), so reports count them."""
+  where = os.path.join(path, adapter_lib.CONFIG)
+  meta, _ = adapter_lib.read_adapter(path)
+  if int(meta.get('lora_rank', 0)):
+    raise ValueError(f'{where} holds LoRA factors (rank '
+                     f"{meta['lora_rank']}): stage1.from_adapter takes a "
+                     'stage-1 adapter (feature maps and windows only)')
+  got = dict(meta['model_config'].get('attention') or {})
+  want = dataclasses.asdict(student.attention)
+  # exact_tail and impl are inference settings: stage 1 never reads them.
+  diff = {k: (got.get(k), v) for k, v in want.items()
+          if got.get(k) != v and k not in ('exact_tail', 'impl')}
+  if diff:
+    raise ValueError(f'{where} was made for another attention config; '
+                     f'(adapter, this conversion) differ in {diff}')
+  config, params = adapter_lib.apply_adapter(path, teacher, teacher_params)
+  del config
+  prov = meta.get('provenance') or {}
+  stage1 = (prov.get('conversion_config') or {}).get('stage1') or {}
+  data = (prov.get('conversion_config') or {}).get('data') or {}
+  steps = prov.get('step')
+  tokens = None
+  if steps is not None and data.get('batch_size') and data.get('seq_len'):
+    tokens = int(steps) * int(data['batch_size']) * int(data['seq_len'])
+  elif stage1.get('tokens'):
+    tokens = int(stage1['tokens'])
+  return params, {'steps': int(steps) if steps is not None else 0,
+                  'tokens': tokens, 'from_adapter': os.path.abspath(path),
+                  'workdir': prov.get('conversion_workdir')}
+
 
 
 def _stage_config(stage: Mapping[str, Any], name: str, allowed: set[str],
@@ -278,7 +323,11 @@ def write_report(workdir: str, report: dict) -> str:
       f"Orthros attention: {report['orthros_config']['attention']}",
       '',
       f"Stage 1 (attention transfer): {c['stage1']['steps']} steps, "
-      f"{c['stage1']['tokens']:,} tokens; held-out transfer MSE "
+      + (f"{c['stage1']['tokens']:,} tokens" if c['stage1']['tokens']
+         is not None else 'tokens unknown')
+      + (f" (from the adapter {c['stage1']['from_adapter']})"
+         if c['stage1'].get('from_adapter') else '')
+      + f"; held-out transfer MSE "
       f"{c['stage1']['mse_before']:.4g} -> {c['stage1']['mse_after']:.4g} "
       f"({c['stage1']['mse_factor']:.1f}x lower)",
       f"Stage 2 (phase-aware finetune, {c['stage2']['method']}): "
@@ -319,8 +368,12 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   # Every config value is checked before the (possibly large) teacher loads.
   data_cfg = dict(_plain(config.data))
   tokens_per_step = int(data_cfg['batch_size']) * int(data_cfg['seq_len'])
-  s1_cfg, _ = _stage_config(config.stage1, 'stage1', _STAGE_KEYS,
-                            tokens_per_step, TRANSFER_PARAMS)
+  s1_cfg, s1_extra = _stage_config(config.stage1, 'stage1', _STAGE1_KEYS,
+                                   tokens_per_step, TRANSFER_PARAMS)
+  from_adapter = str(s1_extra.get('from_adapter') or '')
+  if from_adapter and not adapter_lib.is_adapter(from_adapter):
+    raise ValueError(f'stage1.from_adapter={from_adapter!r} is not an adapter '
+                     f'directory (no {adapter_lib.CONFIG} in it)')
   s2_cfg, s2_extra = _stage_config(config.stage2, 'stage2', _STAGE2_KEYS,
                                    tokens_per_step, None)
   rank = int(s2_extra.get('lora_rank', 8))
@@ -372,13 +425,18 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   mse = jax.jit(lambda p: objective1(p, probe, None)[0])
   mse_before = float(mse(student_init))
   stage1_dir = os.path.join(workdir, 'stage1')
-  state1, hist1 = loop.train(
-      s1_cfg, stage1_dir, student, student_init,
-      make_data(data_cfg, teacher.vocab_size),
-      train_step=step_lib.make_objective_step(objective1,
-                                              partitioner=partitioner),
-      partitioner=partitioner)
-  params1 = state1.params
+  if from_adapter:
+    params1, stage1_source = stage1_from_adapter(
+        from_adapter, student, teacher, teacher_params)
+    hist1 = []
+  else:
+    state1, hist1 = loop.train(
+        s1_cfg, stage1_dir, student, student_init,
+        make_data(data_cfg, teacher.vocab_size),
+        train_step=step_lib.make_objective_step(objective1,
+                                                partitioner=partitioner),
+        partitioner=partitioner)
+    params1 = state1.params
   mse_after = float(mse(params1))
   logging.info('stage 1: held-out transfer MSE %.4g -> %.4g', mse_before,
                mse_after)
@@ -408,7 +466,8 @@ def convert(config, workdir: str | os.PathLike) -> dict:
       partitioner=partitioner)
   final = merge_lora(state2.params['base'], state2.params['lora'],
                      alpha=alpha)
-  total_steps = s1_cfg.num_steps + s2_cfg.num_steps
+  total_steps = (s1_cfg.num_steps if not from_adapter
+                 else stage1_source['steps']) + s2_cfg.num_steps
   out_dir = os.path.join(workdir, 'orthros')
   if not os.path.isdir(os.path.join(out_dir, 'checkpoints',
                                     str(total_steps))):
@@ -420,7 +479,9 @@ def convert(config, workdir: str | os.PathLike) -> dict:
         os.path.join(workdir, 'adapter'), student, teacher_params,
         state2.params['base'], state2.params['lora'], alpha=alpha,
         provenance={'conversion_workdir': workdir, 'teacher': teacher_info,
-                    'stage2_step': total_steps - s1_cfg.num_steps})
+                    'stage2_step': s2_cfg.num_steps,
+                    **({'stage1_from_adapter': stage1_source}
+                       if from_adapter else {})})
 
   # Held-out evaluation through the inference path.
   models = {'teacher': (teacher, teacher_params, 'inference'),
@@ -430,14 +491,18 @@ def convert(config, workdir: str | os.PathLike) -> dict:
     models['orthros_stage1'] = (student, params1, 'inference')
   results = evaluate_models(models, config.eval, tokenizer, progress)
 
-  s1 = _stage_summary(hist1, stage1_dir, s1_cfg.num_steps, tokens_per_step)
+  if from_adapter:
+    s1 = dict(stage1_source, loss_first=None, loss_last=None)
+  else:
+    s1 = _stage_summary(hist1, stage1_dir, s1_cfg.num_steps,
+                        tokens_per_step)
   s1.update(mse_before=mse_before, mse_after=mse_after,
             mse_factor=mse_before / max(mse_after, 1e-30))
   s2 = _stage_summary(hist2, stage2_dir, s2_cfg.num_steps, tokens_per_step)
   s2.update(method=f'LoRA r={rank} alpha={alpha}' if rank else
             'full finetune', split_mode=s2_cfg.split_mode,
             kl_weight=kl_weight, hidden_weight=hidden_weight)
-  conv_tokens = s1['tokens'] + s2['tokens']
+  conv_tokens = (s1['tokens'] or 0) + s2['tokens']
   teacher_tokens = teacher_info.get('train_tokens')
   sets = [s for s in results['teacher'] if s != 'all']
   summary = {

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -104,6 +105,11 @@ def load_models(config) -> tuple[dict, dict]:
     raise ValueError(f'checkpoint {config.checkpoint} is a dense model; '
                      'eval.py needs an Orthros checkpoint (convert.py makes '
                      'one) to report its baselines')
+  tail = config.get('exact_tail')
+  if tail is not None and int(tail) >= 0:
+    # An inference setting (how many prompt tokens decode exactly), the same
+    # for every row on the converted weights; -1 / None: as converted.
+    student = student.replace(attention={'exact_tail': int(tail)})
   names = tuple(config.get('models') or ('teacher', 'orthros', 'linear'))
   unknown = sorted(set(names) - set(MODELS))
   if unknown:
@@ -148,8 +154,55 @@ def load_models(config) -> tuple[dict, dict]:
 # ------------------------------------------------------------- sections
 
 
+CELLS_FILE = 'retrieval_cells.jsonl'
+
+
+def model_fingerprint(config: ModelConfig, params, _cache=None) -> str:
+  """sha256 (16 hex digits) of a row's config and every param's bytes: what
+  a stored result was computed with. _cache (id -> digest) spares leaves
+  that several rows share."""
+  digest = hashlib.sha256(json.dumps(dataclasses.asdict(config),
+                                     sort_keys=True).encode())
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    key = id(leaf)
+    if _cache is None or key not in _cache:
+      arr = np.ascontiguousarray(np.asarray(leaf))
+      leaf_digest = hashlib.sha256(arr.tobytes()).hexdigest() + str(
+          arr.dtype) + str(arr.shape)
+      if _cache is not None:
+        _cache[key] = leaf_digest
+    else:
+      leaf_digest = _cache[key]
+    digest.update(jax.tree_util.keystr(path).encode())
+    digest.update(leaf_digest.encode())
+  return digest.hexdigest()[:16]
+
+
+def _read_cells(path: str) -> dict[str, dict]:
+  """Stored retrieval cells {key: row}; a torn last line (a killed run) is
+  skipped."""
+  cells = {}
+  if os.path.isfile(path):
+    with open(path) as f:
+      for line in f:
+        try:
+          entry = json.loads(line)
+          cells[entry['key']] = entry['row']
+        except (ValueError, KeyError, TypeError):
+          continue
+  return cells
+
+
 def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
-              progress: bool) -> list[dict]:
+              progress: bool, out_dir: str | None = None) -> list[dict]:
+  """Retrieval rows of every (task, length, depth) cell and model.
+
+  With out_dir, every finished cell is appended to out_dir/CELLS_FILE,
+  keyed by the cell (task, length, depth, count, seed, options, budget)
+  and the model's fingerprint (its config and the bytes of its params); a
+  rerun reuses the stored cells and computes only the missing ones, so a
+  killed evaluation resumes and adding a row or a length costs only that.
+  """
   rows = []
   jobs = []
   for task, spec in tasks_cfg.items():
@@ -166,6 +219,11 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
     for length, n in zip(lengths, nums):
       for depth in depths:
         jobs.append((task, length, depth, n, spec))
+  cells_path = os.path.join(out_dir, CELLS_FILE) if out_dir else None
+  stored = _read_cells(cells_path) if cells_path else {}
+  leaf_cache: dict = {}
+  prints = ({name: model_fingerprint(c, p, leaf_cache)
+             for name, (c, p, _) in models.items()} if cells_path else {})
   total = sum(j[3] for j in jobs) * len(models)
   with tqdm.tqdm(total=total, desc='retrieval', disable=not progress,
                  dynamic_ncols=True) as bar:
@@ -176,14 +234,32 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
         options['depth'] = depth
       bar.set_postfix_str(f'{task} L={length}'
                           + ('' if depth is None else f' d={depth}'))
-      # Batches of at most 8 prompts, never padded beyond the cell's count.
-      result = retrieval.run_task(models, task, tokenizer, length=length,
-                                  num_examples=num, seed=seed,
-                                  batch_size=min(8, num), options=options,
-                                  max_new_tokens=budget, progress=bar.update)
-      for model, r in result.items():
-        rows.append(dict(r, model=model, task=task, length=length,
-                         depth=depth))
+      keys = {name: hashlib.sha256(json.dumps(
+          [task, length, depth, num, seed, options, budget, name,
+           models[name][2], prints.get(name)], sort_keys=True,
+          default=str).encode()).hexdigest() for name in models}
+      done = {name: stored[k] for name, k in keys.items() if k in stored}
+      todo = {name: m for name, m in models.items() if name not in done}
+      bar.update(num * len(done))
+      result = {}
+      if todo:
+        # Batches of at most 8 prompts, never padded beyond the cell's count.
+        result = retrieval.run_task(todo, task, tokenizer, length=length,
+                                    num_examples=num, seed=seed,
+                                    batch_size=min(8, num), options=options,
+                                    max_new_tokens=budget,
+                                    progress=bar.update)
+      for model in models:
+        if model in done:
+          rows.append(done[model])
+          continue
+        row = dict(result[model], model=model, task=task, length=length,
+                   depth=depth)
+        rows.append(row)
+        if cells_path:
+          with open(cells_path, 'a') as f:
+            f.write(json.dumps({'key': keys[model], 'row': row},
+                               default=str) + '\n')
   return rows
 
 
@@ -417,7 +493,7 @@ def run(config, out_dir: str | os.PathLike) -> dict:
   rows: list[dict] = []
   if config.get('tasks'):
     rows = run_tasks(models, _plain(config.tasks), tokenizer,
-                     int(config.get('seed', 0)), progress)
+                     int(config.get('seed', 0)), progress, out_dir=out_dir)
     results['retrieval'] = rows
   quality = None
   if config.get('quality'):

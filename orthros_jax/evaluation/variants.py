@@ -65,6 +65,8 @@ def converted_rows(config: ModelConfig, params: dict, names, *, sinks: int,
     raise ValueError(f'sinks={sinks} must be >= 1 for the sink rows')
   base = (f'{where}: window {a.window}, {a.feature_map} features '
           f'(F = {a.state_dim})')
+  exact = (f'the last {a.exact_tail} prompt tokens and the answer decoded '
+           'exactly over the cache')
   models, desc = {}, {}
   for name in names:
     if name == 'dense':
@@ -75,29 +77,30 @@ def converted_rows(config: ModelConfig, params: dict, names, *, sinks: int,
       c, p = window_only(with_sinks(config, 0), params)
       models[name] = (c, p, 'generate')
       desc[name] = (f'{where}, same weights: window {a.window} softmax only '
-                    '(linear term removed), no sinks, exact decode')
+                    f'(linear term removed), no sinks, {exact}')
     elif name == 'window_sinks':
       c, p = window_only(with_sinks(config, sinks), params)
       models[name] = (c, p, 'generate')
       desc[name] = (f'{where}, same weights: window {a.window} softmax plus '
-                    f'the first {sinks} tokens exact, no linear term, exact '
-                    'decode')
+                    f'the first {sinks} tokens exact, no linear term, '
+                    f'{exact}')
     elif name == 'orthros':
       models[name] = (config, params, 'generate')
       desc[name] = (f'{base}, {trained_sinks} sinks, as converted: hybrid '
-                    f'prefill of all but the last {a.exact_tail} prompt '
-                    'tokens, exact decode')
+                    f'prefill, {exact}')
     elif name == 'orthros_nosinks':
       if not trained_sinks:
         raise ValueError(f'{where} has no sinks: use orthros_sinks')
       models[name] = (with_sinks(config, 0), params, 'generate')
-      desc[name] = f'{where}, same weights, its {trained_sinks} sinks removed'
+      desc[name] = (f'{where}, same weights, its {trained_sinks} sinks '
+                    f'removed, {exact}')
     elif name == 'orthros_sinks':
       if trained_sinks:
         raise ValueError(f'{where} already has {trained_sinks} sinks: use '
                          'orthros (and orthros_nosinks)')
       models[name] = (with_sinks(config, sinks), params, 'generate')
-      desc[name] = f'{where}, same weights plus the first {sinks} tokens exact'
+      desc[name] = (f'{where}, same weights plus the first {sinks} tokens '
+                    f'exact, {exact}')
     elif name == 'linear':
       models[name] = (pure_linear(config), params, 'prefill')
       desc[name] = (f'{where}, same weights: window 0, no sinks, no exact '
