@@ -403,3 +403,12 @@ def test_exact_tail_override_applies_to_every_converted_row(checkpoints):
   models, _ = suite.load_models(c)
   assert models['orthros'][0].attention.exact_tail == (
       ORTHROS.attention.exact_tail)
+
+
+def test_cell_batch_pads_at_most_one_row_per_batch():
+  for num in range(1, 50):
+    b = suite.cell_batch(num)
+    batches = -(-num // b)
+    assert b <= 8 and batches == -(-num // 8)
+    assert batches * b - num < batches
+  assert suite.cell_batch(20) == 7 and suite.cell_batch(10) == 5

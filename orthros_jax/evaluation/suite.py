@@ -193,6 +193,14 @@ def _read_cells(path: str) -> dict[str, dict]:
   return cells
 
 
+def cell_batch(num: int, most: int = 8) -> int:
+  """The batch size for a cell of `num` examples: at most `most` prompts,
+  split as evenly as possible (20 -> 7 + 7 + 6, not 8 + 8 + 4 padded to 8),
+  so padding rows (repeats of the last prompt) cost at most one per batch."""
+  batches = -(-num // most)
+  return -(-num // batches)
+
+
 def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
               progress: bool, out_dir: str | None = None) -> list[dict]:
   """Retrieval rows of every (task, length, depth) cell and model.
@@ -243,10 +251,10 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
       bar.update(num * len(done))
       result = {}
       if todo:
-        # Batches of at most 8 prompts, never padded beyond the cell's count.
         result = retrieval.run_task(todo, task, tokenizer, length=length,
                                     num_examples=num, seed=seed,
-                                    batch_size=min(8, num), options=options,
+                                    batch_size=cell_batch(num),
+                                    options=options,
                                     max_new_tokens=budget,
                                     progress=bar.update)
       for model in models:
