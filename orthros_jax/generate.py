@@ -139,11 +139,15 @@ def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     if arr.ndim != 2:
       raise ValueError(f'prompts array must be [batch, length]; got shape '
                        f'{arr.shape}')
+    _check_integer_ids(arr, 'prompts')
     return arr.astype(np.int32), np.full((arr.shape[0],), arr.shape[1],
                                          np.int32)
   prompts = [list(p) for p in prompts]
   if not prompts:
     raise ValueError('prompts is empty: pass at least one prompt')
+  for i, p in enumerate(prompts):
+    if p:
+      _check_integer_ids(np.asarray(p), f'prompt {i}')
   lengths = np.array([len(p) for p in prompts], np.int32)
   out = np.full((len(prompts), int(lengths.max())), pad_id, np.int32)
   for i, p in enumerate(prompts):
@@ -238,6 +242,13 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
     gen_lengths = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1,
                            max_new_tokens).astype(np.int32)
   return GenerateOutput(out, gen_lengths, prompt_lengths, boundary, cache)
+
+
+def _check_integer_ids(arr: np.ndarray, what: str) -> None:
+  """Token ids must be integers: a float id would be truncated silently."""
+  if arr.size and arr.dtype.kind not in 'iu':
+    raise ValueError(f'{what} holds {arr.dtype} values: token ids must be '
+                     'integers (a float id would be truncated)')
 
 
 def _check_generate_args(config, tokens, lengths, max_new_tokens, temperature,

@@ -404,6 +404,9 @@ def _check_call(cfg, tokens, phase, cache, lengths, split):
     raise ValueError(f'tokens must be [batch, length]; got shape '
                      f'{tokens.shape}')
   b, t = tokens.shape
+  if b == 0 or t == 0:
+    raise ValueError(f'tokens has shape {tokens.shape}: every call needs at '
+                     'least one sequence of at least one token')
   if phase == 'forward':
     if cache is not None:
       raise ValueError("phase='forward' takes no cache; use 'prefill'")
@@ -434,6 +437,19 @@ def _check_call(cfg, tokens, phase, cache, lengths, split):
             f'> max_len={c0.max_len}; allocate a larger cache')
   if split is not None and phase != 'forward':
     raise ValueError("split is only used by phase='forward'")
+  if split is not None:
+    shape = np.shape(split)
+    if shape not in ((), (b,)):
+      raise ValueError(f'split must be a scalar or [B]={b} values; got shape '
+                       f'{shape}')
+    if not jnp.issubdtype(jnp.result_type(split), jnp.integer):
+      raise ValueError(f'split must hold integers (first exact position); '
+                       f'got {jnp.result_type(split)}')
+    if _is_concrete(split):
+      arr = np.asarray(split)
+      if np.any(arr < 0) or np.any(arr > t):
+        raise ValueError(f'split must lie in [0, T={t}] (0 = all exact, T = '
+                         f'all prefill formula); got {arr.tolist()}')
   if lengths is not None and phase != 'prefill':
     raise ValueError("lengths is only used by phase='prefill'")
   if _is_concrete(lengths):

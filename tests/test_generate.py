@@ -147,6 +147,13 @@ def test_generate_input_errors():
     oj.generate(config, {}, [], max_new_tokens=2)
   with pytest.raises(ValueError, match='1..'):
     oj.generate(config, {}, [[1, 2], []], max_new_tokens=2)
+  # Float token ids were truncated silently (apply rejects them).
+  with pytest.raises(ValueError, match='integers'):
+    oj.generate(config, {}, np.array([[1.7, 2.0, 3.2]]), max_new_tokens=2)
+  with pytest.raises(ValueError, match='prompt 1 .*integers'):
+    oj.generate(config, {}, [[1, 2], [3.5, 4]], max_new_tokens=2)
+  with pytest.raises(ValueError, match='1..'):
+    oj.generate(config, {}, np.zeros((2, 0), np.int32), max_new_tokens=2)
 
 
 def test_garbage_past_prompt_lengths_is_ignored():

@@ -355,6 +355,33 @@ def test_missing_weights(checkpoints, tmp_path):
     load_hf(path)
 
 
+def test_corrupt_files_name_the_file(checkpoints, tmp_path):
+  """A config.json that does not parse and a truncated safetensors file
+  (single or one shard) are ValueErrors naming the file, not bare
+  JSONDecodeError / SafetensorError."""
+  path = _copy(checkpoints('llama')[0], tmp_path)
+  config = (path / 'config.json').read_text()
+  (path / 'config.json').write_text(config[:len(config) // 2])
+  with pytest.raises(ValueError, match=r'config\.json is not valid JSON'):
+    load_hf(path)
+  (path / 'config.json').write_text(config)
+  weights = path / 'model.safetensors'
+  data = weights.read_bytes()
+  for cut in (len(data) // 2, 40):  # tensor data cut, header cut
+    weights.write_bytes(data[:cut])
+    with pytest.raises(ValueError, match=r'model\.safetensors.*truncated'):
+      load_hf(path)
+  sharded = _copy(checkpoints('llama_sharded')[0], tmp_path / 'sharded')
+  shard = sorted(sharded.glob('model-*.safetensors'))[-1]
+  shard.write_bytes(shard.read_bytes()[:100])
+  with pytest.raises(ValueError, match=re.escape(shard.name)):
+    load_hf(sharded)
+  index = sharded / 'model.safetensors.index.json'
+  index.write_text('{"weight_map": ')
+  with pytest.raises(ValueError, match=r'index\.json is not valid JSON'):
+    load_hf(sharded)
+
+
 def test_missing_shard(checkpoints, tmp_path):
   path = _copy(checkpoints('llama_sharded')[0], tmp_path)
   shard = sorted(path.glob('model-*.safetensors'))[-1]

@@ -305,3 +305,33 @@ def test_model_call_errors():
     Transformer(bad).apply({'params': params}, x, phase='forward')
   with pytest.raises(ValueError, match='batch'):
     oj.init_cache(config, 0, 8)
+
+
+def test_split_and_empty_tokens_are_checked():
+  """split outside [0, T], of the wrong batch size or not integer, and an
+  empty token array, are errors naming what is wrong (they were taken as
+  0 / T silently, or failed deep inside with a broadcasting or
+  zero-size-reduction error)."""
+  config = make_config()
+  params = init_params(config)
+  x = random_tokens(8, (2, 6))
+  fwd = lambda split, tokens=x: Transformer(config).apply(
+      {'params': params}, tokens, phase='forward', split=split)
+  for bad in (jnp.array([-1, 2]), jnp.array([7, 2]), 7):
+    with pytest.raises(ValueError, match=r'split must lie in \[0, T=6\]'):
+      fwd(bad)
+  with pytest.raises(ValueError, match=r'\[B\]=2'):
+    fwd(jnp.array([1, 2, 3]))
+  with pytest.raises(ValueError, match='integers'):
+    fwd(jnp.array([1.0, 2.0]))
+  # The bounds themselves are valid: 0 is the dense model, T the prefill.
+  dense = Transformer(make_config(kind='dense')).apply(
+      {'params': params}, x, phase='forward')[0]
+  np.testing.assert_allclose(fwd(0)[0], dense, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(fwd(jnp.array([6, 6]))[0], fwd(None)[0],
+                             rtol=1e-6, atol=1e-6)
+  for phase in ('forward', 'prefill'):
+    with pytest.raises(ValueError, match=r'shape \(2, 0\)'):
+      Transformer(config).apply(
+          {'params': params}, jnp.zeros((2, 0), jnp.int32), phase=phase,
+          cache=None if phase == 'forward' else oj.init_cache(config, 2, 8))

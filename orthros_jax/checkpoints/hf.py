@@ -72,8 +72,31 @@ def load_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     raise FileNotFoundError(
         f'{CONFIG_FILE} is missing from HF checkpoint directory {str(path)!r}: '
         'the directory must hold the config.json written by save_pretrained.')
-  with open(config_file) as f:
-    return json.load(f)
+  return _read_json(config_file)
+
+
+def _read_json(file: pathlib.Path) -> Any:
+  """A JSON file's content; a file that does not parse is a ValueError
+  naming it."""
+  try:
+    with open(file) as f:
+      return json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f'{file} is not valid JSON ({e}); re-export or copy the '
+                     'checkpoint again') from e
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: pathlib.Path):
+  """safe_open(file) with a truncated or corrupt file (safetensors' own
+  error types) reported as a ValueError naming it."""
+  try:
+    handle = safe_open(file, framework='numpy')
+  except Exception as e:  # SafetensorError and OSError variants
+    raise ValueError(f'{file} is not a readable safetensors file ({e}); it '
+                     'may be truncated: copy it again') from e
+  with handle as f:
+    yield f
 
 
 def config_from_hf(hf_config: Mapping[str, Any],
@@ -289,8 +312,9 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
   """Tensor name -> the safetensors file holding it."""
   single, index = path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE
   if index.is_file():
-    with open(index) as f:
-      weight_map = json.load(f).get('weight_map')
+    index_json = _read_json(index)
+    weight_map = (index_json.get('weight_map')
+                  if isinstance(index_json, dict) else None)
     if not isinstance(weight_map, dict):
       raise ValueError(f'{WEIGHTS_INDEX_FILE} in {str(path)!r} has no '
                        "'weight_map' dict of tensor name -> shard file.")
@@ -302,7 +326,7 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
             f'from {str(path)!r}: copy every shard of the checkpoint.')
     return files
   if single.is_file():
-    with safe_open(single, framework='numpy') as f:
+    with _open_safetensors(single) as f:
       return {name: single for name in f.keys()}
   raise FileNotFoundError(
       f'no weights in {str(path)!r}: expected {WEIGHTS_FILE} or '
@@ -362,12 +386,20 @@ def load_hf_params(path: str | os.PathLike, config: ModelConfig) -> Params:
     def read(name):
       file = files[name]
       if file not in handles:
-        handles[file] = stack.enter_context(safe_open(file, framework='numpy'))
+        handles[file] = stack.enter_context(_open_safetensors(file))
       return handles[file]
+
+    def tensor(name):
+      try:
+        return read(name).get_tensor(name)
+      except Exception as e:  # a truncated file fails here, not at open
+        raise ValueError(f'{files[name]}: tensor {name!r} cannot be read '
+                         f'({e}); the file may be truncated: copy it '
+                         'again') from e
 
     return params_from_tensors(
         config, shape_of=lambda n: tuple(read(n).get_slice(n).get_shape()),
-        read=lambda n: read(n).get_tensor(n), source='config.json')
+        read=tensor, source='config.json')
 
 
 def tensor_names(config: ModelConfig) -> list[str]:
