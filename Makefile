@@ -68,6 +68,7 @@ demo: $(VENV)/.installed
 	  "$(DEMO_DIR)/eval/report.md and $(DEMO_DIR)/eval/*.png (evaluation)"
 
 test: $(VENV)/.installed-test
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -13,7 +13,6 @@ OUT/bench. Meant to finish within 8 minutes on one H200 or TPU chip.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import platform
 import subprocess

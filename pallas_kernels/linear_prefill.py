@@ -251,7 +251,7 @@ def _layout(q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix, *,
             window, chunk, nb, pad_dims):
   """Builds the padded head-major operands and the per-example scalars."""
   b, t, h, d = q.shape
-  kh, f = k.shape[2], phi_q.shape[-1]
+  f = phi_q.shape[-1]
   lengths = (jnp.full((b,), t, jnp.int32) if lengths is None
              else jnp.asarray(lengths, jnp.int32))
   p = 0 if prefix is None else prefix.k.shape[1]

@@ -4,7 +4,6 @@ what a batch must hold (token streams, decoded text, regexes), not the
 pipeline's own helpers."""
 
 import json
-import os
 import re
 
 import grain

@@ -38,7 +38,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import pathlib
 import re
 import shutil
 import tempfile

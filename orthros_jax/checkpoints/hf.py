@@ -37,7 +37,6 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from safetensors import safe_open
 
 from orthros_jax.config import AttentionConfig, ModelConfig, RopeScaling

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 import string
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
