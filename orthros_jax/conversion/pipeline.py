@@ -433,8 +433,8 @@ def convert(config, workdir: str | os.PathLike) -> dict:
     state1, hist1 = loop.train(
         s1_cfg, stage1_dir, student, student_init,
         make_data(data_cfg, teacher.vocab_size),
-        train_step=step_lib.make_objective_step(objective1,
-                                                partitioner=partitioner),
+        train_step=step_lib.make_objective_step(
+            objective1, partitioner=partitioner, trainable=s1_cfg.trainable),
         partitioner=partitioner)
     params1 = state1.params
   mse_after = float(mse(params1))
@@ -461,8 +461,8 @@ def convert(config, workdir: str | os.PathLike) -> dict:
       s2_cfg, stage2_dir, student, stage2_init,
       make_data(dict(data_cfg, seed=int(data_cfg['seed']) + 1),
                 teacher.vocab_size),
-      train_step=step_lib.make_objective_step(objective2,
-                                              partitioner=partitioner),
+      train_step=step_lib.make_objective_step(
+          objective2, partitioner=partitioner, trainable=s2_cfg.trainable),
       partitioner=partitioner)
   final = merge_lora(state2.params['base'], state2.params['lora'],
                      alpha=alpha)

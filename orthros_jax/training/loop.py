@@ -142,7 +142,8 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
   workdir = os.fspath(workdir)
   tx = optimizer or make_optimizer(config)
   train_step = train_step or step_lib.make_train_step(
-      model_config, split_mode=config.split_mode, partitioner=partitioner)
+      model_config, split_mode=config.split_mode, partitioner=partitioner,
+      trainable=config.trainable)
   if not hasattr(data_iterator, '__next__'):
     data_iterator = iter(data_iterator)
 

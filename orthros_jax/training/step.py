@@ -44,6 +44,7 @@ import optax
 from orthros_jax.config import ModelConfig
 from orthros_jax.model import Transformer
 from orthros_jax.training import loss as loss_lib
+from orthros_jax.training import optim
 from orthros_jax.training.state import TrainState
 
 SPLIT_MODES = ('prompt', 'random', 'none')
@@ -108,36 +109,68 @@ Objective = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
 
 def make_train_step(config: ModelConfig, *, split_mode: str = 'prompt',
                     loss_fn: LossFn | None = None, donate: bool = True,
-                    partitioner=None
+                    partitioner=None, trainable=None
                     ) -> Callable[[TrainState, dict, jax.Array],
                                   tuple[TrainState, dict]]:
   """A jitted `(state, batch, rng) -> (state, metrics)`; the state is donated.
 
   metrics: those of `loss_fn` ('loss', 'tokens', 'accuracy' by default) plus
-  'grad_norm' and 'finite' (bool). When the loss or gradient norm is not
-  finite the returned state is the input state (no update, step unchanged):
-  the loop reports the error and keeps the last good checkpoint.
+  'grad_norm' (over the trainable params) and 'finite' (bool). When the
+  loss or gradient norm is not finite the returned state is the input
+  state (no update, step unchanged): the loop reports the error and keeps
+  the last good checkpoint. trainable: see `make_objective_step`.
   """
   check_split_mode(split_mode)
   loss_fn = loss_fn or loss_lib.next_token_loss
   return make_objective_step(
       lambda p, batch, rng: _forward_loss(config, split_mode, loss_fn, p,
                                           batch, rng), donate=donate,
-      partitioner=partitioner)
+      partitioner=partitioner, trainable=trainable)
+
+
+def trainable_value_and_grad(fn, params, trainable):
+  """((value, aux), grads) of `fn(params) -> (value, aux)`, differentiated
+  only with respect to the trainable leaves (`optim.trainable_labels`
+  semantics: None = all). Frozen leaves get zero gradients, which the
+  optimizer ignores (optax.set_to_zero), and are never differentiated: a
+  LoRA or feature-map stage does not pay for the full model's weight
+  gradients."""
+  if trainable is None:
+    return jax.value_and_grad(fn, has_aux=True)(params)
+  labels = jax.tree.leaves(optim.trainable_labels(params, trainable))
+  leaves, treedef = jax.tree.flatten(params)
+  train = [x for x, lab in zip(leaves, labels) if lab == 'train']
+
+  def of_trainable(train_leaves):
+    it = iter(train_leaves)
+    full = [next(it) if lab == 'train' else jax.lax.stop_gradient(x)
+            for x, lab in zip(leaves, labels)]
+    return fn(jax.tree.unflatten(treedef, full))
+
+  out, g_train = jax.value_and_grad(of_trainable, has_aux=True)(train)
+  it = iter(g_train)
+  grads = [next(it) if lab == 'train' else jnp.zeros_like(x)
+           for x, lab in zip(leaves, labels)]
+  return out, jax.tree.unflatten(treedef, grads)
 
 
 def make_objective_step(objective: Objective, *, donate: bool = True,
-                        partitioner=None
+                        partitioner=None, trainable=None
                         ) -> Callable[[TrainState, dict, jax.Array],
                                       tuple[TrainState, dict]]:
   """The train step for any `objective(params, batch, rng) -> (loss,
   metrics)` (a conversion stage's loss, say), with the same NaN guard and
-  donation as `make_train_step`."""
+  donation as `make_train_step`.
+
+  trainable: None, or what TrainConfig.trainable holds (substrings of the
+  param paths): only those params are differentiated, and 'grad_norm' is
+  their norm (the one the optimizer clips); pass the same value the
+  optimizer's mask uses.
+  """
 
   def step(state: TrainState, batch, rng):
-    grad_fn = jax.value_and_grad(lambda p: objective(p, batch, rng),
-                                 has_aux=True)
-    (loss, metrics), grads = grad_fn(state.params)
+    (loss, metrics), grads = trainable_value_and_grad(
+        lambda p: objective(p, batch, rng), state.params, trainable)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = state.apply_gradients(grads)
