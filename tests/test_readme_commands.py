@@ -143,16 +143,7 @@ def _entry_checks(script: str, config) -> None:
     loop.TrainConfig.from_mapping(config.train.to_dict())
   elif script == 'convert.py':
     from orthros_jax.conversion import pipeline
-    from orthros_jax.training import step
-    attention = pipeline.orthros_attention(config.attention)
-    data = config.data
-    assert step.first_linear_position(attention) < data.seq_len, (
-        'no position would use the linear part', attention, data.seq_len)
-    tokens = data.batch_size * data.seq_len
-    pipeline._stage_config(config.stage1, 'stage1', pipeline._STAGE_KEYS,
-                           tokens, None)
-    pipeline._stage_config(config.stage2, 'stage2', pipeline._STAGE2_KEYS,
-                           tokens, None)
+    pipeline.check_config(config)
 
 
 def test_readme_commands_are_found():

@@ -355,17 +355,28 @@ def write_report(workdir: str, report: dict) -> str:
 # -------------------------------------------------------------------- main
 
 
-def convert(config, workdir: str | os.PathLike) -> dict:
-  """Runs the conversion described by `config` in `workdir` (resuming what
-  a previous run there finished); returns the report dict."""
-  workdir = os.path.abspath(os.fspath(workdir))
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    json.dump(_plain(config), f, indent=1, default=str)
-  progress = bool(config.get('progress', True))
-  seed = int(config.get('seed', 0))
+@dataclasses.dataclass(frozen=True)
+class ConversionPlan:
+  """A conversion config, checked: what `convert` runs."""
+  data: dict
+  tokens_per_step: int
+  attention: AttentionConfig
+  stage1: loop.TrainConfig
+  stage2: loop.TrainConfig
+  stage2_extra: dict
+  from_adapter: str
+  lora_rank: int
+  lora_alpha: float
+  kl_weight: float
+  hidden_weight: float
+  frozen_teacher: bool
 
-  # Every config value is checked before the (possibly large) teacher loads.
+
+def check_config(config) -> ConversionPlan:
+  """Every check `convert` makes before it loads anything (README commands
+  are tested with it): stage keys and token budgets, the stage-1 adapter's
+  directory, stage 2's LoRA / distillation values, held-out sets, and a
+  window + sinks that leaves some position to the linear part."""
   data_cfg = dict(_plain(config.data))
   tokens_per_step = int(data_cfg['batch_size']) * int(data_cfg['seq_len'])
   s1_cfg, s1_extra = _stage_config(config.stage1, 'stage1', _STAGE1_KEYS,
@@ -393,7 +404,6 @@ def convert(config, workdir: str | os.PathLike) -> dict:
     s2_cfg = dataclasses.replace(s2_cfg, trainable=('base',))
   if not _plain(config.eval).get('sets'):
     raise ValueError('eval.sets is empty: name at least one held-out set')
-  tokenizer = get_tokenizer(data_cfg.get('tokenizer', 'byte'))
   attention = orthros_attention(config.attention)
   first_linear = step_lib.first_linear_position(attention)
   if first_linear >= int(data_cfg['seq_len']):
@@ -406,6 +416,33 @@ def convert(config, workdir: str | os.PathLike) -> dict:
         'its whole context, so no position uses the linear part and the '
         'conversion would train nothing of the prefill formula; use a '
         'smaller window')
+  return ConversionPlan(
+      data=data_cfg, tokens_per_step=tokens_per_step, attention=attention,
+      stage1=s1_cfg, stage2=s2_cfg, stage2_extra=s2_extra,
+      from_adapter=from_adapter, lora_rank=rank, lora_alpha=alpha,
+      kl_weight=kl_weight, hidden_weight=hidden_weight,
+      frozen_teacher=frozen_teacher)
+
+
+def convert(config, workdir: str | os.PathLike) -> dict:
+  """Runs the conversion described by `config` in `workdir` (resuming what
+  a previous run there finished); returns the report dict."""
+  workdir = os.path.abspath(os.fspath(workdir))
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    json.dump(_plain(config), f, indent=1, default=str)
+  progress = bool(config.get('progress', True))
+  seed = int(config.get('seed', 0))
+
+  # Every config value is checked before the (possibly large) teacher loads.
+  plan = check_config(config)
+  data_cfg, tokens_per_step = plan.data, plan.tokens_per_step
+  s1_cfg, s2_cfg, attention = plan.stage1, plan.stage2, plan.attention
+  from_adapter, rank, alpha = plan.from_adapter, plan.lora_rank, plan.lora_alpha
+  kl_weight, hidden_weight = plan.kl_weight, plan.hidden_weight
+  frozen_teacher = plan.frozen_teacher
+  s2_extra = plan.stage2_extra
+  tokenizer = get_tokenizer(data_cfg.get('tokenizer', 'byte'))
 
   partitioner = sharding.Partitioner.from_config(config.get('mesh'))
   teacher, teacher_params, teacher_info = load_teacher(config.teacher)
