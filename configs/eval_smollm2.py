@@ -9,7 +9,9 @@
 text perplexity with a 2K-token prefix, speed from 1K to 8K; 'main' the
 teacher and Orthros only, passkey and niah at 2K (100 examples) and 4K (50);
 'baselines' every row on passkey and niah at 2K and 4K (30 per cell: the
-same cells as '', so a later '' run in the same --out reuses them);
+same cells as '', so a later '' run in the same --out reuses them; the
+teacher's and Orthros' are the first 30 of main's when main ran in that
+--out);
 'quick' what `make smollm2-eval` runs in minutes (a few examples up to 2K).
 Finished cells are stored in the output directory
 (retrieval_cells.jsonl): a killed run resumes where it stopped.

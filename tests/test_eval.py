@@ -382,12 +382,36 @@ def test_retrieval_cells_resume_and_follow_the_weights(checkpoints, tmp_path,
   suite.run_tasks(models, spec, tok, seed=0, progress=False,
                   out_dir=str(tmp_path))
   assert calls == [['orthros']] * 2
-  # Another count is another cell.
+  # Fewer examples: the first ones of the stored cell, nothing computed,
+  # equal to what a fresh run of that count gives; more: computed.
   calls.clear()
   spec['passkey']['num_examples'] = 1
+  fewer = suite.run_tasks(models, spec, tok, seed=0, progress=False,
+                          out_dir=str(tmp_path))
+  assert not calls
+  fresh = suite.run_tasks(models, spec, tok, seed=0, progress=False)
+  strip = lambda rows: [{k: v for k, v in r.items() if k != 'samples'}
+                        for r in rows]
+  assert strip(fewer) == strip(json.loads(json.dumps(fresh)))
+  assert [r['n'] for r in fewer] == [1] * 4
+  spec['passkey']['num_examples'] = 3
+  calls.clear()
   suite.run_tasks(models, spec, tok, seed=0, progress=False,
                   out_dir=str(tmp_path))
   assert calls == [['orthros', 'teacher']] * 2
+
+
+def test_first_examples_of_a_stored_cell():
+  row = {'scores': [1.0, 0.0, 0.5, 1.0], 'n': 4, 'accuracy': 0.625,
+         'samples': [1, 2, 3], 'model': 'm'}
+  sub = suite.first_examples(row, 3)
+  assert sub['n'] == 3 and sub['accuracy'] == pytest.approx(0.5)
+  assert sub['exact'] == pytest.approx(1 / 3) and sub['scores'] == [1.0, 0.0,
+                                                                    0.5]
+  assert sub['ci95'] == list(inference.wilson_interval(2, 3))
+  assert sub['model'] == 'm'
+  with pytest.raises(ValueError, match='cannot'):
+    suite.first_examples(row, 5)
 
 
 def test_exact_tail_override_applies_to_every_converted_row(checkpoints):

@@ -90,7 +90,8 @@ def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
              max_new_tokens: int | None = None,
              progress: Callable[[int], None] | None = None) -> dict:
   """Accuracy of every model on `num_examples` examples of `task` at
-  `length` tokens: {model: {accuracy, exact, n, ci95, outputs (first 3)}}.
+  `length` tokens: {model: {accuracy, exact, n, ci95, exact_ci95, scores
+  (per example, in order), samples (the first 3)}}.
 
   accuracy: mean of tasks_lib.score_output (RULER-style recall of the
   answers in the generated text) with the Wilson 95% interval of
@@ -128,6 +129,7 @@ def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
     lo, hi = wilson_interval(round(sum(scores)), len(scores))
     out[name] = {'accuracy': float(np.mean(scores)),
                  'exact': full / len(scores), 'n': len(scores),
+                 'scores': [float(x) for x in scores],
                  'ci95': [lo, hi],
                  'exact_ci95': list(wilson_interval(full, len(scores))),
                  'samples': samples}

@@ -178,19 +178,63 @@ def model_fingerprint(config: ModelConfig, params, _cache=None) -> str:
   return digest.hexdigest()[:16]
 
 
-def _read_cells(path: str) -> dict[str, dict]:
-  """Stored retrieval cells {key: row}; a torn last line (a killed run) is
-  skipped."""
-  cells = {}
+def _read_cells(path: str) -> dict[str, list[dict]]:
+  """Stored retrieval cells {key: [rows]} (a key leaves the example count
+  out: rows of several counts may share it); a torn last line (a killed
+  run) is skipped."""
+  cells: dict[str, list[dict]] = {}
   if os.path.isfile(path):
     with open(path) as f:
       for line in f:
         try:
           entry = json.loads(line)
-          cells[entry['key']] = entry['row']
-        except (ValueError, KeyError, TypeError):
+          cells.setdefault(entry['key'], []).append(entry['row'])
+        except (ValueError, KeyError, TypeError, AttributeError):
           continue
   return cells
+
+
+def _append_cell(path: str, entry: dict) -> None:
+  """Appends one JSON line, on a line of its own even after a torn one (a
+  run killed mid-write leaves no newline)."""
+  with open(path, 'a+b') as f:
+    f.seek(0, os.SEEK_END)
+    if f.tell():
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b'\n':
+        f.write(b'\n')
+    f.write((json.dumps(entry, default=str) + '\n').encode())
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def first_examples(row: dict, num: int) -> dict:
+  """The row of a cell's first `num` examples, from a stored row of at
+  least as many with per-example scores. Example i of a cell is built from
+  (seed, i) alone (tasks.make_examples), so these are exactly the examples
+  a cell of `num` would hold."""
+  scores = row['scores'][:num]
+  if len(scores) != num:
+    raise ValueError(f'a stored cell of {len(row["scores"])} examples cannot '
+                     f'give {num}')
+  full = sum(x >= 1.0 for x in scores)
+  lo, hi = inference.wilson_interval(round(sum(scores)), num)
+  return dict(row, accuracy=float(np.mean(scores)), exact=full / num, n=num,
+              ci95=[lo, hi],
+              exact_ci95=list(inference.wilson_interval(full, num)),
+              scores=list(scores), samples=row['samples'][:num])
+
+
+def _stored_row(rows: list[dict], num: int) -> dict | None:
+  """A stored row of exactly `num` examples, else one derived from the
+  smallest stored row with more (and per-example scores); None if none."""
+  for row in rows:
+    if row.get('n') == num:
+      return row
+  larger = [r for r in rows if r.get('n', 0) > num and 'scores' in r]
+  if larger:
+    return first_examples(min(larger, key=lambda r: r['n']), num)
+  return None
 
 
 def cell_batch(num: int, most: int = 8) -> int:
@@ -206,10 +250,13 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
   """Retrieval rows of every (task, length, depth) cell and model.
 
   With out_dir, every finished cell is appended to out_dir/CELLS_FILE,
-  keyed by the cell (task, length, depth, count, seed, options, budget)
-  and the model's fingerprint (its config and the bytes of its params); a
-  rerun reuses the stored cells and computes only the missing ones, so a
-  killed evaluation resumes and adding a row or a length costs only that.
+  keyed by the cell (task, length, depth, seed, options, budget) and the
+  model's fingerprint (its config and the bytes of its params), with its
+  per-example scores; a rerun reuses the stored cells and computes only
+  the missing ones, so a killed evaluation resumes and adding a row or a
+  length costs only that. A cell of n examples is also read from a stored
+  cell of more (its first n examples: `first_examples`), so a 30-example
+  run of the baselines reuses the teacher's 100-example cells.
   """
   rows = []
   jobs = []
@@ -243,10 +290,14 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
       bar.set_postfix_str(f'{task} L={length}'
                           + ('' if depth is None else f' d={depth}'))
       keys = {name: hashlib.sha256(json.dumps(
-          [task, length, depth, num, seed, options, budget, name,
+          [task, length, depth, seed, options, budget, name,
            models[name][2], prints.get(name)], sort_keys=True,
           default=str).encode()).hexdigest() for name in models}
-      done = {name: stored[k] for name, k in keys.items() if k in stored}
+      done = {}
+      for name, k in keys.items():
+        row = _stored_row(stored.get(k, []), num)
+        if row is not None:
+          done[name] = row
       todo = {name: m for name, m in models.items() if name not in done}
       bar.update(num * len(done))
       result = {}
@@ -265,9 +316,7 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
                    depth=depth)
         rows.append(row)
         if cells_path:
-          with open(cells_path, 'a') as f:
-            f.write(json.dumps({'key': keys[model], 'row': row},
-                               default=str) + '\n')
+          _append_cell(cells_path, {'key': keys[model], 'row': row})
   return rows
 
 
