@@ -335,7 +335,7 @@ def write_report(workdir: str, report: dict) -> str:
       f"loss {c['stage2']['loss_first']:.4f} -> "
       f"{c['stage2']['loss_last']:.4f}",
       f"Conversion tokens: {c['tokens']:,}"
-      + (f' = {100 * frac:.2f}% of the teacher\'s' if frac else ''), '',
+      + (f' = {100 * frac:.3g}% of the teacher\'s' if frac else ''), '',
       '## Held-out, through the inference path', '',
       'teacher: dense prefill + decode; orthros: hybrid prefill of the prompt '
       f"but its last {report['orthros_config']['attention']['exact_tail']} "
