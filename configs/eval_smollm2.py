@@ -12,7 +12,10 @@ teacher and Orthros only, passkey and niah at 2K (100 examples) and 4K (50);
 same cells as '', so a later '' run in the same --out reuses them; the
 teacher's and Orthros' are the first 30 of main's when main ran in that
 --out);
-'quick' what `make smollm2-eval` runs in minutes (a few examples up to 2K).
+'quality' and 'speed' those sections of '' alone (speed on a quiet
+machine: it times TTFT and decode of dense, Orthros and the no-attention
+ceiling); 'quick' what `make smollm2-eval` runs in minutes (a few examples
+up to 2K).
 Finished cells are stored in the output directory
 (retrieval_cells.jsonl): a killed run resumes where it stopped.
 
@@ -44,9 +47,9 @@ EXACT_TAIL = 64
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
-  if arg not in ('', 'main', 'baselines', 'quick'):
+  if arg not in ('', 'main', 'baselines', 'quality', 'speed', 'quick'):
     raise ValueError(f'configs/eval_smollm2.py:{arg}: expected main, '
-                     'baselines, quick or nothing')
+                     'baselines, quality, speed, quick or nothing')
   c = ml_collections.ConfigDict()
   c.name = 'smollm2' if not arg else f'smollm2_{arg}'
   # An Orthros checkpoint (convert.py workdir) or adapter directory; the
@@ -94,6 +97,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                              num_examples=(6, 6)))
     c.quality = {}
     c.speed = {}
+  elif arg == 'quality':
+    c.tasks = {}
+    c.speed = {}
+  elif arg == 'speed':
+    c.models = ('orthros',)
+    c.tasks = {}
+    c.quality = {}
   elif arg == 'quick':
     c.models = ('teacher', 'window_sinks', 'orthros', 'linear')
     quick = dict(lengths=(1024, 2048), depths=(0.25, 0.75),

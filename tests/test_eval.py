@@ -311,6 +311,23 @@ def test_eval_smollm2_variants():
   assert max(eval_smollm2.get_config('quick').tasks.passkey.lengths) <= 2048
   with pytest.raises(ValueError, match='expected'):
     eval_smollm2.get_config('fast')
+  # The sections of '' alone, the same settings; baselines = the 2K / 4K
+  # passkey and niah cells of '' (so they are reused), every row.
+  quality, speed_cfg = (eval_smollm2.get_config('quality'),
+                        eval_smollm2.get_config('speed'))
+  assert not quality.tasks and not quality.speed
+  assert quality.quality.to_dict() == full.quality.to_dict()
+  assert not speed_cfg.tasks and not speed_cfg.quality
+  assert speed_cfg.speed.to_dict() == full.speed.to_dict()
+  base = eval_smollm2.get_config('baselines')
+  assert base.models == full.models
+  for task in ('passkey', 'niah'):
+    b, f = base.tasks[task], full.tasks[task]
+    assert set(b.lengths) == {2048, 4096} <= set(f.lengths)
+    for n, k in zip(b.lengths, b.num_examples):
+      assert k * len(b.depths) >= 30
+      assert k == dict(zip(f.lengths, f.num_examples))[n]
+  assert full.exact_tail == 64 and full.seed == main.seed
 
 
 def test_task_counts_per_length_and_generation_budget(checkpoints,
