@@ -9,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from orthros_jax.attention import softmax
 from orthros_jax.conversion import adapter as adapter_lib
@@ -87,3 +88,48 @@ def test_auto_block_follows_the_backend(monkeypatch):
       np.asarray(softmax.softmax_attention(q, k, v, block_size=256)),
       np.asarray(softmax.softmax_attention(q, k, v, block_size=300)),
       rtol=2e-5, atol=2e-6)
+
+
+def _cell(key, model, depth, scores, task='passkey', length=300):
+  n = len(scores)
+  return {'key': key, 'row': {
+      'task': task, 'length': length, 'depth': depth, 'model': model,
+      'n': n, 'accuracy': sum(scores) / n, 'scores': scores,
+      'samples': []}}
+
+
+def test_cells_table_takes_the_largest_cell_and_pairs_with_the_teacher(
+    tmp_path):
+  bench = _load('cells_table')
+  lines = [
+      _cell('t1', 'teacher', 0.1, [1.0, 1.0, 0.0, 1.0]),
+      _cell('t2', 'teacher', 0.9, [1.0, 1.0]),
+      _cell('o1', 'orthros', 0.1, [1.0, 0.0]),          # fewer examples
+      _cell('o1', 'orthros', 0.1, [1.0, 0.0, 0.0, 1.0]),
+      _cell('o2', 'orthros', 0.9, [0.0, 1.0]),
+      _cell('w1', 'window', 0.1, [0.0]),
+      _cell('w2', 'window', 0.9, [1.0]),
+  ]
+  path = tmp_path / 'retrieval_cells.jsonl'
+  path.write_text(''.join(json.dumps(x) + '\n' for x in lines))
+  entries = {e['model']: e for e in bench.table(bench.load_cells(
+      str(tmp_path)))}
+  assert entries['teacher']['n'] == 6
+  assert entries['teacher']['accuracy'] == 5 / 6
+  assert entries['orthros']['n'] == 6           # the 4-example cell, not 2
+  assert entries['orthros']['accuracy'] == 3 / 6
+  # Paired with the teacher's same examples: (2 - 3) + (1 - 2) of 6.
+  assert entries['orthros']['minus_teacher_points'] == 100 * -2 / 6
+  # window: its 1 example per depth against the teacher's first one.
+  assert entries['window']['paired_n'] == 2
+  assert entries['window']['minus_teacher_points'] == 100 * (1 - 2) / 2
+  md = bench.markdown(list(entries.values()))
+  assert md.splitlines()[0] == '| task | length | teacher | window | orthros |'
+  assert 'n=6 (-33.3)' in md
+  # The same cell under another key: the weights changed under this dir.
+  with open(path, 'a') as f:
+    f.write(json.dumps(_cell('other', 'window', 0.9, [0.0])) + '\n')
+  with pytest.raises(ValueError, match='two fingerprints'):
+    bench.load_cells(str(path))
+  with pytest.raises(FileNotFoundError, match='run eval.py'):
+    bench.load_cells(str(tmp_path / 'nowhere'))
