@@ -274,7 +274,8 @@ def test_eval_py_entry_point(checkpoints, tmp_path):
   assert (tmp_path / 'report.md').exists()
 
 
-def test_every_retrieval_task_runs_through_the_suite(checkpoints, tmp_path):
+def test_every_retrieval_task_runs_through_the_suite(checkpoints, tmp_path,
+                                                     monkeypatch):
   """All ten tasks, one example each on a random model, at one width (one
   prefill compile): the pipeline from generator to scorer is wired for
   each, and the report lists them."""
@@ -292,6 +293,28 @@ def test_every_retrieval_task_runs_through_the_suite(checkpoints, tmp_path):
     assert r['n'] == 1 and 0.0 <= r['accuracy'] <= 1.0
   report = (tmp_path / 'report.md').read_text()
   assert all(f'| {name} |' in report for name in tasks.TASKS)
+  # Wired end to end: a model that answers each prompt with its example's
+  # target scores 100% on every task, one that answers nothing 0%.
+  tok = get_tokenizer('byte')
+  by_prompt = {}
+  for name, spec in c.tasks.items():
+    spec = dict(spec)
+    opts = {k: v for k, v in spec.items()
+            if k not in ('lengths', 'num_examples')}
+    for length in spec['lengths']:
+      ex, = tasks.make_examples(name, c.seed, tok, length, 1, **opts)
+      by_prompt[tuple(ex.prompt)] = (ex.target, [])
+  for which, expect in ((0, lambda a: a == 1.0), (1, lambda a: a == 0.0)):
+    def oracle(config, params, prompts, *, max_new_tokens, which=which,
+               **unused):
+      del config, params, unused
+      rows = [list(by_prompt[tuple(p)][which]) + [tok.eos_id] for p in prompts]
+      return np.array([(r + [tok.eos_id] * max_new_tokens)[:max_new_tokens]
+                       for r in rows])
+    monkeypatch.setattr(retrieval, 'greedy', oracle)
+    results = suite.run(c, tmp_path / f'oracle{which}')
+    for r in results['retrieval']:
+      assert expect(r['accuracy']), (which, r['task'], r['accuracy'])
 
 
 def test_eval_smollm2_variants():
