@@ -128,8 +128,10 @@ def plot(entries: list[dict], path: str) -> str | None:
         continue
       ax.errorbar([e['length'] for e in es],
                   [100 * e['accuracy'] for e in es],
-                  yerr=[[100 * (e['accuracy'] - e['ci95'][0]) for e in es],
-                        [100 * (e['ci95'][1] - e['accuracy']) for e in es]],
+                  yerr=[[max(0.0, 100 * (e['accuracy'] - e['ci95'][0]))
+                         for e in es],
+                        [max(0.0, 100 * (e['ci95'][1] - e['accuracy']))
+                         for e in es]],
                   marker='o', capsize=3, label=m)
     ax.set_xscale('log', base=2)
     ax.set_title(task)

@@ -126,6 +126,8 @@ def test_cells_table_takes_the_largest_cell_and_pairs_with_the_teacher(
   md = bench.markdown(list(entries.values()))
   assert md.splitlines()[0] == '| task | length | teacher | window | orthros |'
   assert 'n=6 (-33.3)' in md
+  assert bench.plot(list(entries.values()), str(tmp_path / 'p.png'))
+  assert (tmp_path / 'p.png').stat().st_size > 0
   # The same cell under another key: the weights changed under this dir.
   with open(path, 'a') as f:
     f.write(json.dumps(_cell('other', 'window', 0.9, [0.0])) + '\n')
