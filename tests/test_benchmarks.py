@@ -109,6 +109,7 @@ def test_cells_table_takes_the_largest_cell_and_pairs_with_the_teacher(
       _cell('o2', 'orthros', 0.9, [0.0, 1.0]),
       _cell('w1', 'window', 0.1, [0.0]),
       _cell('w2', 'window', 0.9, [1.0]),
+      _cell('d1', 'dense', 0.1, [1.0] * 100),
   ]
   path = tmp_path / 'retrieval_cells.jsonl'
   path.write_text(''.join(json.dumps(x) + '\n' for x in lines))
@@ -124,7 +125,8 @@ def test_cells_table_takes_the_largest_cell_and_pairs_with_the_teacher(
   assert entries['window']['paired_n'] == 2
   assert entries['window']['minus_teacher_points'] == 100 * (1 - 2) / 2
   md = bench.markdown(list(entries.values()))
-  assert md.splitlines()[0] == '| task | length | teacher | window | orthros |'
+  assert md.splitlines()[0] == ('| task | length | teacher | dense | window | '
+                                'orthros |')
   assert 'n=6 (-33.3)' in md
   assert bench.plot(list(entries.values()), str(tmp_path / 'p.png'))
   assert (tmp_path / 'p.png').stat().st_size > 0
