@@ -6,7 +6,8 @@
       --workdir=results/smollm2/convert
 
 `arg` 'linear' is the trained pure-linear floor: the same recipe and budget
-with window 0 and no sinks. 'smoke' shrinks everything to a few steps.
+with window 0, no sinks, and stage 2 through the prefill formula at every
+position (split_mode 'none'), as the floor is evaluated. 'smoke' shrinks everything to a few steps.
 
 Conversion data: docstrings of Python's standard library
 (orthros_jax/data/corpus.py), generic English prose about software, built
@@ -63,9 +64,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                   checkpoint_every=2 if smoke else 10, progress=not smoke)
   # 'prompt' split: text rows have no prompt, so every row splits at a
   # random P and the prefill formula trains (orthros_jax/training/step.py).
+  # The linear floor trains as it is evaluated, every position through the
+  # prefill formula ('none': a pure linear-attention model has no exact
+  # decode to fall back on).
   c.stage2 = dict(tokens=steps2 * batch * seq_len, learning_rate=1e-4,
                   warmup_steps=1 if smoke else 8, weight_decay=0.0,
-                  split_mode='prompt', lora_rank=8, lora_alpha=16.0,
+                  split_mode='none' if linear else 'prompt', lora_rank=8,
+                  lora_alpha=16.0,
                   kl_weight=0.0, hidden_weight=0.0,
                   log_every=1 if smoke else 5,
                   checkpoint_every=2 if smoke else 10, progress=not smoke)

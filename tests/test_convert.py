@@ -378,6 +378,11 @@ def test_convert_smollm2_recipe(tmp_path):
           lin.attention.exact_tail) == (0, 0, 0)
   assert lin.stage1.tokens == c.stage1.tokens
   assert lin.stage2.tokens == c.stage2.tokens
+  # Orthros trains the inference split; the floor has no exact decode, so it
+  # trains the prefill formula at every position, as it is evaluated.
+  assert (c.stage2.split_mode, lin.stage2.split_mode) == ('prompt', 'none')
+  assert {k: v for k, v in lin.stage2.items() if k != 'split_mode'} == {
+      k: v for k, v in c.stage2.items() if k != 'split_mode'}
   with pytest.raises(ValueError, match='unknown config args'):
     convert_smollm2.get_config('fast')
   smoke = convert_smollm2.get_config('smoke')
