@@ -10,6 +10,8 @@ exactly 0 and gamma cancels), so no conversion is needed.
 
   python benchmarks/window_zero_shot.py --teacher results/smollm2/hf \
       --lengths 2048 --num_examples 4 --out results/window_zero_shot
+  python benchmarks/window_zero_shot.py --lengths 4096 --window 64,256,512 \
+      --exact_tail 64 --num_examples 6     # rows window@W, window_sinks@W
 
 Writes results.json and report.md (accuracy, Wilson 95% intervals).
 """
@@ -33,19 +35,27 @@ from orthros_jax.evaluation import suite  # pylint: disable=wrong-import-positio
 from orthros_jax.evaluation import variants  # pylint: disable=wrong-import-position
 
 
-def run(teacher: str, *, tasks, lengths, num_examples: int, window: int,
+def run(teacher: str, *, tasks, lengths, num_examples: int, window,
         sinks: int, seed: int, max_new_tokens: int, batch_size: int,
-        tokenizer: str | None = None) -> dict:
+        tokenizer: str | None = None, exact_tail: int = 1) -> dict:
+  """window: one W, or several (rows then named window@W,
+  window_sinks@W)."""
   config, params, where = suite.load_dense(teacher)
   tokenizer = get_tokenizer(tokenizer or teacher)
-  student = config.replace(attention=dict(kind='orthros', window=window,
-                                          sinks=0))
-  orthros_params = init_student(params, student, jax.random.PRNGKey(0))
-  rows, desc = variants.converted_rows(
-      student, orthros_params, ['window', 'window_sinks'], sinks=sinks,
-      where=f'{where}, unconverted')
-  models = {'teacher': (config, params, 'generate'), **rows}
-  desc['teacher'] = f'{where}: the teacher as loaded, dense attention'
+  windows = [window] if isinstance(window, int) else list(window)
+  models = {'teacher': (config, params, 'generate')}
+  desc = {'teacher': f'{where}: the teacher as loaded, dense attention'}
+  for w in windows:
+    student = config.replace(attention=dict(kind='orthros', window=w,
+                                            sinks=0, exact_tail=exact_tail))
+    orthros_params = init_student(params, student, jax.random.PRNGKey(0))
+    rows, rows_desc = variants.converted_rows(
+        student, orthros_params, ['window', 'window_sinks'], sinks=sinks,
+        where=f'{where}, unconverted')
+    suffix = '' if len(windows) == 1 else f'@{w}'
+    for name in rows:
+      models[name + suffix] = rows[name]
+      desc[name + suffix] = rows_desc[name]
   results = []
   for task in tasks:
     for length in lengths:
@@ -59,7 +69,8 @@ def run(teacher: str, *, tasks, lengths, num_examples: int, window: int,
               f"(n={r['n']})", flush=True)
   return {'models': desc, 'rows': results,
           'settings': dict(tasks=list(tasks), lengths=list(lengths),
-                           num_examples=num_examples, window=window,
+                           num_examples=num_examples, window=windows,
+                           exact_tail=exact_tail,
                            sinks=sinks, seed=seed, batch_size=batch_size,
                            max_new_tokens=max_new_tokens)}
 
@@ -73,7 +84,10 @@ def main(argv=None) -> None:
   p.add_argument('--tasks', default='passkey,niah')
   p.add_argument('--lengths', default='2048')
   p.add_argument('--num_examples', type=int, default=4)
-  p.add_argument('--window', type=int, default=64)
+  p.add_argument('--window', default='64',
+                 help='W, or several: 64,128,256 (rows window@W, ...)')
+  p.add_argument('--exact_tail', type=int, default=1,
+                 help='prompt tokens decoded exactly (eval_smollm2: 64)')
   p.add_argument('--sinks', type=int, default=4)
   p.add_argument('--seed', type=int, default=1234)
   p.add_argument('--batch_size', type=int, default=4)
@@ -83,7 +97,9 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   res = run(args.teacher, tasks=args.tasks.split(','),
             lengths=[int(n) for n in args.lengths.split(',')],
-            num_examples=args.num_examples, window=args.window,
+            num_examples=args.num_examples,
+            window=[int(w) for w in args.window.split(',')],
+            exact_tail=args.exact_tail,
             sinks=args.sinks, seed=args.seed,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
             tokenizer=args.tokenizer)

@@ -192,14 +192,16 @@ def test_window_zero_shot_script(tmp_path):
   cmd = [sys.executable, 'benchmarks/window_zero_shot.py',
          '--teacher', 'assets/tiny_teacher', '--tokenizer', 'byte',
          '--tasks', 'passkey', '--lengths', '300', '--num_examples', '2',
-         '--batch_size', '2', '--window', '512', '--sinks', '2',
-         '--out', str(tmp_path)]
+         '--batch_size', '2', '--window', '512,400', '--sinks', '2',
+         '--exact_tail', '3', '--out', str(tmp_path)]
   proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True,
                         timeout=900, env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(tmp_path / 'results.json') as f:
     res = json.load(f)
-  assert set(res['models']) == {'teacher', 'window', 'window_sinks'}
+  assert set(res['models']) == {'teacher', 'window@512', 'window_sinks@512',
+                                'window@400', 'window_sinks@400'}
   acc = {r['model']: r['samples'] for r in res['rows']}
-  assert acc['window'] == acc['teacher'] == acc['window_sinks']
+  assert all(acc[m] == acc['teacher'] for m in acc)
+  assert 'last 3 prompt tokens' in res['models']['window@400']
   assert '| passkey | 300 |' in (tmp_path / 'report.md').read_text()
