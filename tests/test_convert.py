@@ -548,6 +548,66 @@ def test_stage1_from_adapter_replaces_stage1(converted, teacher_dir,
     pipeline.convert(c, tmp_path / 'missing_run')
 
 
+def test_stage2_from_adapter_continues_its_lora(converted, teacher_dir,
+                                                tmp_path):
+  """stage2.from_adapter: no stage 1 runs, stage 2 starts from the
+  adapter's feature maps, windows and LoRA factors (at a learning rate of
+  1e-30 the continued adapter is the same adapter: every tensor within
+  1e-20, where a fresh LoRA start would have B = 0), the report
+  counts the adapter's stages and this one; a stage-1 adapter, both
+  from_adapter keys, another rank or full finetuning are refused."""
+  workdir, report = converted
+  c = _convert_config(teacher_dir)
+  c.stage2.from_adapter = str(workdir / 'adapter')
+  c.stage2.learning_rate = 1e-30
+  out = pipeline.convert(c, tmp_path / 'run')
+  assert not (tmp_path / 'run' / 'stage1').exists()
+  _, old = adapter_lib.read_adapter(workdir / 'adapter')
+  meta, new = adapter_lib.read_adapter(tmp_path / 'run' / 'adapter')
+  assert old.keys() == new.keys()
+  assert any(np.any(old[k] != 0) for k in old if k.endswith('lora_b'))
+  for k in old:
+    np.testing.assert_allclose(new[k], old[k], rtol=0, atol=1e-20, err_msg=k)
+  conv, before = out['conversion'], report['conversion']
+  assert conv['stage1']['steps'] == before['stage1']['steps'] == 4
+  assert conv['stage1']['tokens'] == before['stage1']['tokens']
+  assert conv['stage2']['continued']['steps'] == 4
+  assert conv['stage2']['continued']['tokens'] == before['stage2']['tokens']
+  assert conv['tokens'] == before['tokens'] + conv['stage2']['tokens']
+  # The merged checkpoint counts every step: 4 + 4 of the adapter, 4 here.
+  assert out['checkpoint'].endswith(os.path.join('checkpoints', '12'))
+  prov = meta['provenance']
+  assert prov['stage2_from_adapter']['tokens'] == before['stage2']['tokens']
+  assert 'continues the stage 2 of the adapter' in (
+      tmp_path / 'run' / 'report.md').read_text()
+  # Continuing the continued adapter counts both earlier stage 2 runs.
+  c.stage2.from_adapter = str(tmp_path / 'run' / 'adapter')
+  again = pipeline.convert(c, tmp_path / 'again')
+  assert again['conversion']['stage2']['continued']['tokens'] == (
+      2 * before['stage2']['tokens'])
+  assert again['conversion']['stage1']['tokens'] == before['stage1']['tokens']
+  s1 = adapter_lib.export_from_conversion(workdir, tmp_path / 's1',
+                                          stage='stage1')
+  c.stage2.from_adapter = str(s1)
+  with pytest.raises(ValueError, match='adapter_config.json.*no LoRA'):
+    pipeline.convert(c, tmp_path / 'bad1')
+  c.stage2.from_adapter = str(workdir / 'adapter')
+  c.stage1.from_adapter = str(s1)
+  with pytest.raises(ValueError, match='both'):
+    pipeline.check_config(c)
+  c.stage1.from_adapter = ''
+  c.stage2.lora_rank = 4
+  with pytest.raises(ValueError, match='adapter_config.json.*rank'):
+    pipeline.convert(c, tmp_path / 'bad2')
+  c.stage2.lora_rank = 0
+  with pytest.raises(ValueError, match='lora_rank > 0'):
+    pipeline.check_config(c)
+  c.stage2.lora_rank = 8
+  c.stage2.from_adapter = str(tmp_path / 'missing')
+  with pytest.raises(ValueError, match='not an adapter directory'):
+    pipeline.check_config(c)
+
+
 def test_adapter_refuses_other_base_and_broken_files(converted, teacher_dir,
                                                      tmp_path):
   workdir, _ = converted

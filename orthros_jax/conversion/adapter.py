@@ -144,6 +144,16 @@ def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, Any]]:
 def apply_adapter(path: str | os.PathLike, base_config: ModelConfig,
                   base_params: dict) -> tuple[ModelConfig, dict]:
   """(Orthros config, merged params) of an adapter applied to a dense base."""
+  config, params, lora, meta = adapter_parts(path, base_config, base_params)
+  return config, merge_lora(params, lora, alpha=float(meta['lora_alpha']))
+
+
+def adapter_parts(path: str | os.PathLike, base_config: ModelConfig,
+                  base_params: dict) -> tuple[ModelConfig, dict, dict, dict]:
+  """(Orthros config, unmerged params, lora, meta) of an adapter on a dense
+  base: the base weights with the adapter's feature maps and window
+  weights, and its LoRA factors {layer: {proj: {'a', 'b'}}} ({} for a
+  stage-1 adapter), unmerged so that training can continue them."""
   from orthros_jax.training.train_lm import model_config_from  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
@@ -175,7 +185,7 @@ def apply_adapter(path: str | os.PathLike, base_config: ModelConfig,
         lora.setdefault(layer, {})[proj] = {
             'a': jnp.asarray(tensors[key]),
             'b': jnp.asarray(tensors[f'{layer}.attn.{proj}.lora_b'])}
-  return config, merge_lora(params, lora, alpha=float(meta['lora_alpha']))
+  return config, params, lora, meta
 
 
 def export_from_conversion(workdir: str | os.PathLike,

@@ -46,6 +46,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -77,7 +78,7 @@ _STAGE_KEYS = {'tokens'} | {f for f in loop.TrainConfig.__dataclass_fields__
 _STAGE1_KEYS = _STAGE_KEYS | {'from_adapter'}
 _STAGE2_KEYS = _STAGE_KEYS | {'lora_rank', 'lora_alpha', 'kl_weight',
                               'hidden_weight',
-                              'lora_targets'}
+                              'lora_targets', 'from_adapter'}
 # The three models of every report: name -> (which params, attention, mode).
 MODELS = ('teacher', 'orthros', 'linear')
 
@@ -177,14 +178,7 @@ def stage1_from_adapter(path: str, student: ModelConfig,
     raise ValueError(f'{where} holds LoRA factors (rank '
                      f"{meta['lora_rank']}): stage1.from_adapter takes a "
                      'stage-1 adapter (feature maps and windows only)')
-  got = dict(meta['model_config'].get('attention') or {})
-  want = dataclasses.asdict(student.attention)
-  # exact_tail and impl are inference settings: stage 1 never reads them.
-  diff = {k: (got.get(k), v) for k, v in want.items()
-          if got.get(k) != v and k not in ('exact_tail', 'impl')}
-  if diff:
-    raise ValueError(f'{where} was made for another attention config; '
-                     f'(adapter, this conversion) differ in {diff}')
+  _check_adapter_attention(meta, student, where)
   config, params = adapter_lib.apply_adapter(path, teacher, teacher_params)
   del config
   prov = meta.get('provenance') or {}
@@ -200,6 +194,62 @@ def stage1_from_adapter(path: str, student: ModelConfig,
                   'tokens': tokens, 'from_adapter': os.path.abspath(path),
                   'workdir': prov.get('conversion_workdir')}
 
+
+
+def _check_adapter_attention(meta: dict, student: ModelConfig,
+                             where: str) -> None:
+  got = dict(meta['model_config'].get('attention') or {})
+  want = dataclasses.asdict(student.attention)
+  # exact_tail and impl are inference settings: training never reads them.
+  diff = {k: (got.get(k), v) for k, v in want.items()
+          if got.get(k) != v and k not in ('exact_tail', 'impl')}
+  if diff:
+    raise ValueError(f'{where} was made for another attention config; '
+                     f'(adapter, this conversion) differ in {diff}')
+
+
+def stage2_from_adapter(path: str, student: ModelConfig,
+                        teacher: ModelConfig, teacher_params: dict, *,
+                        rank: int, alpha: float, targets: Sequence[str]
+                        ) -> tuple[dict, dict, dict]:
+  """(stage-1 params, LoRA factors, summary) of a finished LoRA adapter, to
+  continue its stage 2 (on longer rows, say): its feature maps and window
+  weights stand for stage 1 (not run), its LoRA factors are where stage 2
+  starts. The adapter must be of these teacher weights, this attention
+  config, and this LoRA rank, alpha and target set. The summary carries
+  the adapter's own stage-1 and stage-2 steps and tokens from its
+  provenance (None where it does not say)."""
+  where = os.path.join(path, adapter_lib.CONFIG)
+  config, params, lora, meta = adapter_lib.adapter_parts(
+      path, teacher, teacher_params)
+  del config
+  if not lora:
+    raise ValueError(f'{where} holds no LoRA factors: stage2.from_adapter '
+                     'continues a finished LoRA conversion (a stage-1 '
+                     'adapter goes to stage1.from_adapter)')
+  _check_adapter_attention(meta, student, where)
+  got = (int(meta.get('lora_rank', 0)), float(meta['lora_alpha']),
+         sorted({p for layer in lora.values() for p in layer}))
+  want = (rank, alpha, sorted(targets))
+  if got != want:
+    raise ValueError(f'{where} has LoRA (rank, alpha, targets) {got}; this '
+                     f'conversion asks for {want}')
+  prov = meta.get('provenance') or {}
+  s1 = dict(prov.get('stage1') or prov.get('stage1_from_adapter') or {})
+  prior = dict(prov.get('stage2_from_adapter') or {})
+  steps2 = prov.get('stage2_step')
+  tokens2 = prov.get('stage2_tokens')
+  return params, lora, {
+      'from_adapter': os.path.abspath(path),
+      'stage1': {'steps': int(s1.get('steps') or 0),
+                 'tokens': s1.get('tokens')},
+      # Every stage-2 run before this one: the adapter's own, and what it
+      # continued in turn.
+      'steps': int(steps2 or 0) + int(prior.get('steps') or 0),
+      'tokens': (None if tokens2 is None or (prior and prior.get('tokens')
+                                              is None)
+                 else int(tokens2) + int(prior.get('tokens') or 0)),
+      'workdir': prov.get('conversion_workdir')}
 
 
 def _stage_config(stage: Mapping[str, Any], name: str, allowed: set[str],
@@ -306,6 +356,13 @@ def _table(results: dict, sets: list[str]) -> str:
   return '\n'.join(lines)
 
 
+def _continued(src: dict) -> str:
+  tokens = (f"{src['tokens']:,} tokens" if src.get('tokens') is not None
+            else 'tokens not recorded by the adapter')
+  return (f"; continues the stage 2 of the adapter {src['from_adapter']} "
+          f"({src['steps']} steps, {tokens})")
+
+
 def write_report(workdir: str, report: dict) -> str:
   """report.json and report.md in workdir; returns the markdown table."""
   with open(os.path.join(workdir, 'report.json'), 'w') as f:
@@ -333,7 +390,9 @@ def write_report(workdir: str, report: dict) -> str:
       f"Stage 2 (phase-aware finetune, {c['stage2']['method']}): "
       f"{c['stage2']['steps']} steps, {c['stage2']['tokens']:,} tokens; "
       f"loss {c['stage2']['loss_first']:.4f} -> "
-      f"{c['stage2']['loss_last']:.4f}",
+      f"{c['stage2']['loss_last']:.4f}"
+      + (_continued(c['stage2']['continued'])
+         if c['stage2'].get('continued') else ''),
       f"Conversion tokens: {c['tokens']:,}"
       + (f' = {100 * frac:.3g}% of the teacher\'s' if frac else ''), '',
       '## Held-out, through the inference path', '',
@@ -365,6 +424,7 @@ class ConversionPlan:
   stage2: loop.TrainConfig
   stage2_extra: dict
   from_adapter: str
+  stage2_from_adapter: str
   lora_rank: int
   lora_alpha: float
   kl_weight: float
@@ -387,6 +447,15 @@ def check_config(config) -> ConversionPlan:
                      f'directory (no {adapter_lib.CONFIG} in it)')
   s2_cfg, s2_extra = _stage_config(config.stage2, 'stage2', _STAGE2_KEYS,
                                    tokens_per_step, None)
+  from_adapter2 = str(s2_extra.pop('from_adapter', '') or '')
+  if from_adapter2:
+    if not adapter_lib.is_adapter(from_adapter2):
+      raise ValueError(f'stage2.from_adapter={from_adapter2!r} is not an '
+                       f'adapter directory (no {adapter_lib.CONFIG} in it)')
+    if from_adapter:
+      raise ValueError('stage1.from_adapter and stage2.from_adapter are both '
+                       'set: a stage-2 adapter already holds its stage 1; '
+                       'set one')
   rank = int(s2_extra.get('lora_rank', 8))
   alpha = float(s2_extra.get('lora_alpha', 16.0))
   kl_weight = float(s2_extra.get('kl_weight', 0.0))
@@ -395,6 +464,9 @@ def check_config(config) -> ConversionPlan:
     raise ValueError(f'stage2.lora_rank={rank}, stage2.kl_weight='
                      f'{kl_weight} and stage2.hidden_weight={hidden_weight} '
                      'must be >= 0 (rank 0 = full finetune)')
+  if from_adapter2 and not rank:
+    raise ValueError('stage2.from_adapter continues LoRA factors: it needs '
+                     'stage2.lora_rank > 0')
   # A full finetune moves the base weights, so the distillation terms read
   # a frozen copy of the teacher (params['teacher'], never trained).
   frozen_teacher = not rank and (kl_weight > 0 or hidden_weight > 0)
@@ -419,7 +491,8 @@ def check_config(config) -> ConversionPlan:
   return ConversionPlan(
       data=data_cfg, tokens_per_step=tokens_per_step, attention=attention,
       stage1=s1_cfg, stage2=s2_cfg, stage2_extra=s2_extra,
-      from_adapter=from_adapter, lora_rank=rank, lora_alpha=alpha,
+      from_adapter=from_adapter, stage2_from_adapter=from_adapter2,
+      lora_rank=rank, lora_alpha=alpha,
       kl_weight=kl_weight, hidden_weight=hidden_weight,
       frozen_teacher=frozen_teacher)
 
@@ -439,9 +512,11 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   data_cfg, tokens_per_step = plan.data, plan.tokens_per_step
   s1_cfg, s2_cfg, attention = plan.stage1, plan.stage2, plan.attention
   from_adapter, rank, alpha = plan.from_adapter, plan.lora_rank, plan.lora_alpha
+  from_adapter2 = plan.stage2_from_adapter
+  lora_targets = tuple(plan.stage2_extra.get(
+      'lora_targets', ('q_proj', 'k_proj', 'v_proj', 'o_proj')))
   kl_weight, hidden_weight = plan.kl_weight, plan.hidden_weight
   frozen_teacher = plan.frozen_teacher
-  s2_extra = plan.stage2_extra
   tokenizer = get_tokenizer(data_cfg.get('tokenizer', 'byte'))
 
   partitioner = sharding.Partitioner.from_config(config.get('mesh'))
@@ -462,7 +537,16 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   mse = jax.jit(lambda p: objective1(p, probe, None)[0])
   mse_before = float(mse(student_init))
   stage1_dir = os.path.join(workdir, 'stage1')
-  if from_adapter:
+  lora_start = None
+  if from_adapter2:
+    params1, lora_start, stage2_source = stage2_from_adapter(
+        from_adapter2, student, teacher, teacher_params, rank=rank,
+        alpha=alpha, targets=lora_targets)
+    stage1_source = dict(stage2_source['stage1'],
+                         from_adapter=stage2_source['from_adapter'],
+                         workdir=stage2_source['workdir'])
+    hist1 = []
+  elif from_adapter:
     params1, stage1_source = stage1_from_adapter(
         from_adapter, student, teacher, teacher_params)
     hist1 = []
@@ -480,11 +564,11 @@ def convert(config, workdir: str | os.PathLike) -> dict:
 
   # Stage 2: phase-aware finetune (LoRA or full).
   def stage2_init():
-    lora = (init_lora(params1, jax.random.PRNGKey(seed + 1), rank=rank,
-                      targets=tuple(s2_extra.get(
-                          'lora_targets', ('q_proj', 'k_proj', 'v_proj',
-                                           'o_proj'))))
-            if rank else {})
+    if lora_start is not None:
+      lora = jax.tree.map(jnp.copy, lora_start)
+    else:
+      lora = (init_lora(params1, jax.random.PRNGKey(seed + 1), rank=rank,
+                        targets=lora_targets) if rank else {})
     params = {'base': jax.tree.map(jnp.copy, params1), 'lora': lora}
     if frozen_teacher:
       params['teacher'] = jax.tree.map(jnp.copy, teacher_params)
@@ -503,8 +587,14 @@ def convert(config, workdir: str | os.PathLike) -> dict:
       partitioner=partitioner)
   final = merge_lora(state2.params['base'], state2.params['lora'],
                      alpha=alpha)
-  total_steps = (s1_cfg.num_steps if not from_adapter
-                 else stage1_source['steps']) + s2_cfg.num_steps
+  skipped1 = from_adapter or from_adapter2
+  stage1_record = ({k: stage1_source[k] for k in ('steps', 'tokens')}
+                   if skipped1 else
+                   {'steps': s1_cfg.num_steps,
+                    'tokens': s1_cfg.num_steps * tokens_per_step})
+  total_steps = ((stage1_source['steps'] if skipped1 else s1_cfg.num_steps)
+                 + (stage2_source['steps'] if from_adapter2 else 0)
+                 + s2_cfg.num_steps)
   out_dir = os.path.join(workdir, 'orthros')
   if not os.path.isdir(os.path.join(out_dir, 'checkpoints',
                                     str(total_steps))):
@@ -516,9 +606,13 @@ def convert(config, workdir: str | os.PathLike) -> dict:
         os.path.join(workdir, 'adapter'), student, teacher_params,
         state2.params['base'], state2.params['lora'], alpha=alpha,
         provenance={'conversion_workdir': workdir, 'teacher': teacher_info,
+                    'stage1': stage1_record,
                     'stage2_step': s2_cfg.num_steps,
+                    'stage2_tokens': s2_cfg.num_steps * tokens_per_step,
                     **({'stage1_from_adapter': stage1_source}
-                       if from_adapter else {})})
+                       if from_adapter else {}),
+                    **({'stage2_from_adapter': stage2_source}
+                       if from_adapter2 else {})})
 
   # Held-out evaluation through the inference path.
   models = {'teacher': (teacher, teacher_params, 'inference'),
@@ -528,7 +622,7 @@ def convert(config, workdir: str | os.PathLike) -> dict:
     models['orthros_stage1'] = (student, params1, 'inference')
   results = evaluate_models(models, config.eval, tokenizer, progress)
 
-  if from_adapter:
+  if skipped1:
     s1 = dict(stage1_source, loss_first=None, loss_last=None)
   else:
     s1 = _stage_summary(hist1, stage1_dir, s1_cfg.num_steps,
@@ -539,7 +633,10 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   s2.update(method=f'LoRA r={rank} alpha={alpha}' if rank else
             'full finetune', split_mode=s2_cfg.split_mode,
             kl_weight=kl_weight, hidden_weight=hidden_weight)
-  conv_tokens = (s1['tokens'] or 0) + s2['tokens']
+  if from_adapter2:
+    s2['continued'] = stage2_source
+  conv_tokens = ((s1['tokens'] or 0) + s2['tokens']
+                 + ((stage2_source['tokens'] or 0) if from_adapter2 else 0))
   teacher_tokens = teacher_info.get('train_tokens')
   sets = [s for s in results['teacher'] if s != 'all']
   summary = {
