@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import datetime
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -46,6 +47,7 @@ import numpy as np
 from orthros_jax.attention import decode_attention
 from orthros_jax.attention import orthros_prefill
 from orthros_jax.attention import softmax_attention
+from orthros_jax.feature_maps import feature_map
 
 from benchmarks import report
 
@@ -89,6 +91,19 @@ flags.DEFINE_float('mem_frac', 0.5, 'Skip a measurement whose estimated '
 flags.DEFINE_integer('check_len', 32 * _K, 'N of the acceptance line.')
 flags.DEFINE_float('check_ratio', 10.0, 'Acceptance: dense/orthros time '
                    'ratio at check_len must be at least this.')
+flags.DEFINE_float('deadline_s', None, 'Skip (with the reason recorded) every '
+                   'measurement that would start this many seconds after '
+                   'the start: a time box for one-shot device runs.')
+flags.DEFINE_integer('dense_xla_max_len', None, 'Skip dense_xla above this N '
+                     '(reason recorded): its blocked loop is the slow one.')
+flags.DEFINE_bool('with_feature_map', False, 'Also time orthros_<impl>_phi: '
+                  'the fastest Orthros prefill here (Pallas on GPU/TPU) '
+                  'with the hedgehog feature map (P = feature_dim / 2) '
+                  'computed from q and k inside the timed function.')
+flags.DEFINE_multi_string('note', [], 'Free text copied into kernels.json '
+                          '(machine.notes).')
+
+_START = time.perf_counter()
 
 
 # ---------------------------------------------------------------- timing ---
@@ -277,10 +292,55 @@ def prefill_impls(backend, s):
     else:
       impls['orthros_pallas'] = (lambda q, k, v, pq, pk, g: kernel(
           q, k, v, pq, pk, g, window=w, chunk_size=c)[0], 1, 'orthros_xla')
+  if FLAGS.with_feature_map:
+    name, prefill = 'orthros_xla_phi', orthros_prefill
+    if isinstance(impls['orthros_pallas'], tuple):
+      name, prefill = 'orthros_pallas_phi', kernel
+    impls[name] = (_with_feature_map(prefill, s), 1, None)
   return impls
 
 
+def _with_feature_map(prefill, s):
+  """fn(q, k, v, _, _, gamma): `prefill` fed with the hedgehog features of
+  q and k (P = F / 2, float32, k repeated per query head), computed inside
+  the timed function as the model does, instead of the stand-in arrays."""
+  h, d, f, w, c = (s['heads'], s['head_dim'], s['feature_dim'], s['window'],
+                   s['chunk'])
+  if f % 2:
+    raise ValueError(f'--feature_dim={f}: hedgehog needs an even F = 2P')
+  groups = h // s['kv_heads']
+  kq, kk = jax.random.split(jax.random.key(3))
+  eye = jnp.eye(d, f // 2)
+  wq = eye + 0.05 * jax.random.normal(kq, (h, d, f // 2))
+  wk = eye + 0.05 * jax.random.normal(kk, (h, d, f // 2))
+
+  def fn(q, k, v, unused_pq, unused_pk, g):
+    del unused_pq, unused_pk
+    phi_q = feature_map('hedgehog', q, wq)
+    phi_k = feature_map('hedgehog', jnp.repeat(k, groups, axis=2), wk)
+    return prefill(q, k, v, phi_q, phi_k, g, window=w, chunk_size=c)[0]
+
+  return fn
+
+
+def _past_deadline():
+  if FLAGS.deadline_s is None:
+    return None
+  elapsed = time.perf_counter() - _START
+  if elapsed > FLAGS.deadline_s:
+    return (f'time box: {elapsed:.0f} s elapsed > --deadline_s '
+            f'{FLAGS.deadline_s:.0f} s')
+  return None
+
+
 def _skip_reason(impl, n, last, exponent, mem, free):
+  if impl == 'dense_xla' and FLAGS.dense_xla_max_len and (
+      n > FLAGS.dense_xla_max_len):
+    return (f'capped: N > --dense_xla_max_len={FLAGS.dense_xla_max_len} '
+            '(time budget of the run)')
+  late = _past_deadline()
+  if late:
+    return late
   if mem > FLAGS.mem_frac * free:
     return f'memory: ~{mem/2**30:.1f} GiB > {FLAGS.mem_frac} x free'
   if last is not None:
@@ -345,6 +405,7 @@ def run_prefill(lens, backend, s, dtype, ceilings):
             f'(median of {stats["reps"]}, compile {stats["compile_s"]:.1f} s) '
             f'{row["flops_per_s"]/1e9:8.2f} GFLOP/s{frac}', flush=True)
     del args, outs
+    _write_partial('prefill', rows)
   return rows
 
 
@@ -387,6 +448,10 @@ def run_decode(lens, backend, s, dtype, ceilings):
       if mem > FLAGS.mem_frac * _free_memory_bytes():
         rows.append(dict(row, status=f'skipped: memory ~{mem/2**30:.1f} GiB'))
         continue
+      late = _past_deadline()
+      if late:
+        rows.append(dict(row, status='skipped: ' + late))
+        continue
       try:
         stats, y = _bench(fn, (q, k_cache, v_cache, lengths),
                           max_reps=max(FLAGS.max_reps, 20))
@@ -407,7 +472,20 @@ def run_decode(lens, backend, s, dtype, ceilings):
       print(f'[decode]  S={n:>6} {name:<15} {stats["time_s"]*1e3:>10.3f} ms '
             f'(median of {stats["reps"]}) {row["bytes_per_s"]/1e9:7.2f} GB/s = '
             f'{row["frac_bandwidth"]:.3f} of copy bandwidth', flush=True)
+    _write_partial('decode', rows)
   return rows
+
+
+_PARTIAL = {}
+
+
+def _write_partial(section, rows):
+  """<out>/kernels_partial.json: the rows so far, rewritten after every
+  length, so a run killed from outside keeps what it measured (removed when
+  kernels.json is written)."""
+  _PARTIAL[section] = rows
+  path = pathlib.Path(FLAGS.out) / 'kernels_partial.json'
+  path.write_text(json.dumps(_PARTIAL, indent=1, default=str))
 
 
 # ------------------------------------------------------- machine, output ---
@@ -421,10 +499,12 @@ def machine_info(backend, dtype):
                                 capture_output=True, text=True).stdout.strip())
   except OSError:
     commit, dirty = None, None
+  try:
+    jaxlib_version = importlib.import_module('jaxlib').__version__
+  except Exception:  # pylint: disable=broad-except
+    jaxlib_version = None
   return dict(
-      jax_version=jax.__version__,
-      jaxlib_version=getattr(jax.lib, '__version__', None) or
-      importlib.import_module('jaxlib').__version__,
+      jax_version=jax.__version__, jaxlib_version=jaxlib_version,
       backend=backend, device_kind=dev.device_kind,
       device_count=jax.device_count(), cpu_count=os.cpu_count(),
       cpus_usable=len(os.sched_getaffinity(0)),
@@ -469,12 +549,18 @@ def main(argv):
   out_dir.mkdir(parents=True, exist_ok=True)
   info = machine_info(backend, dtype)
   info['shapes'] = shapes
+  info['notes'] = list(FLAGS.note)
+  info['plots'] = ('prefill.png, decode.png'
+                   if importlib.util.find_spec('matplotlib') else
+                   'skipped: matplotlib is not installed')
+  _PARTIAL['machine'] = info
   print(f'backend {backend} ({info["device_kind"]}), {info["cpus_usable"]} '
         f'CPUs, jax {jax.__version__}, dtype {info["dtype"]}; prefill N '
         f'{lens}, decode S {decode_lens}', flush=True)
 
   # Ceilings first, then prefill and decode.
   ceilings = measure_ceilings(backend)
+  _PARTIAL['ceilings'] = ceilings
   rows = run_prefill(lens, backend, shapes, dtype, ceilings)
   rows += run_decode(decode_lens, backend, shapes, dtype, ceilings)
   analysis = report.analyse(rows)
@@ -492,6 +578,7 @@ def main(argv):
     writer.writeheader()
     writer.writerows(rows)
   report.plot(rows, analysis, ceilings, out_dir, FLAGS.check_ratio)
+  (out_dir / 'kernels_partial.json').unlink(missing_ok=True)
   print()
   print(report.markdown(info, ceilings, rows, analysis))
   print()

@@ -28,6 +28,14 @@ from jax.experimental.pallas import triton as pltr
 
 from orthros_jax.attention.softmax import decode_attention as reference
 
+# Triton launch settings of the GPU kernel and the largest split it takes:
+# on an H200 (232,448 bytes of shared memory per block) a split of 512 keys
+# fails to compile at head_dim 128 (294,912 bytes asked) and runs at 64;
+# at 128 the split of 128 was the fastest that fits (benchmarks/pallas_fit.py,
+# benchmarks/RESULTS.md "Accelerators").
+GPU_COMPILER_PARAMS = {'num_warps': 4, 'num_stages': 2}
+GPU_MAX_SPLIT_D64 = 512
+GPU_MAX_SPLIT_D128 = 128
 Array = jax.Array
 
 __all__ = ['flash_decode', 'reference', 'split_length']
@@ -185,7 +193,7 @@ def _gpu_call(lengths, q, qpos, k_cache, v_cache, *, split, scale, interpret):
       out_shape=[jax.ShapeDtypeStruct((b, kh, n_split, m, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kh, n_split, m, 1), jnp.float32),
                  jax.ShapeDtypeStruct((b, kh, n_split, m, 1), jnp.float32)],
-      compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=pltr.CompilerParams(**GPU_COMPILER_PARAMS),
       interpret=interpret, name='orthros_flash_decode',
   )(len_rows, q, qpos, k_cache, v_cache)
 
@@ -219,6 +227,9 @@ def _kernel(q, k_cache, v_cache, lengths, *, interpret, platform, max_split):
   qpos = jnp.where(tok[None, :] < tq, qpos, -1)  # padded rows see nothing
   qpos = jnp.broadcast_to(qpos[:, None, :, None], (b, kh, m_pad, 1))
   call = _gpu_call if gpu else _tpu_call
+  if gpu:  # shared memory per block grows with split x head_dim
+    max_split = min(max_split, GPU_MAX_SPLIT_D64 if d_pad <= 64
+                    else GPU_MAX_SPLIT_D128)
   o, mx, l = call(lengths, rows, qpos.astype(jnp.int32), k_cache, v_cache,
                   split=split_length(s, max_split), scale=1.0 / d ** 0.5,
                   interpret=interpret)

@@ -45,6 +45,12 @@ from orthros_jax.attention.orthros import LinearState
 from orthros_jax.attention.orthros import WindowPrefix
 from orthros_jax.attention.orthros import orthros_prefill as reference
 
+# Triton launch settings of the GPU kernel. num_stages 1: with 2, the
+# recipes' shapes (F = 128 features, chunk 64) ask for more shared memory
+# than an H200 has per block (245,760 of 232,448 bytes at head_dim 64,
+# 327,680 at 128); with 1 every chunk of 16-64 fits at head_dim 64 and 128
+# (benchmarks/pallas_fit.py, benchmarks/RESULTS.md "Accelerators").
+GPU_COMPILER_PARAMS = {'num_warps': 4, 'num_stages': 1}
 Array = jax.Array
 
 __all__ = ['linear_prefill', 'reference']
@@ -239,7 +245,7 @@ def _gpu_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window, nb,
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(s0.shape, jnp.float32),
                  jax.ShapeDtypeStruct(z0.shape, jnp.float32)],
-      compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=pltr.CompilerParams(**GPU_COMPILER_PARAMS),
       interpret=interpret, name='orthros_linear_prefill',
   )(sc_rows, g_rows, q, k, v, phiq, phik, s0, z0)
 

@@ -137,3 +137,80 @@ def test_cells_table_takes_the_largest_cell_and_pairs_with_the_teacher(
     bench.load_cells(str(path))
   with pytest.raises(FileNotFoundError, match='run eval.py'):
     bench.load_cells(str(tmp_path / 'nowhere'))
+
+
+def test_device_model_tiny_writes_rows_for_every_variant(tmp_path):
+  """benchmarks/device_model.py at tiny size on CPU (the device check's dry
+  run): a row per variant with positive times and the attention functions
+  dispatch picked; no speed ordering is asserted."""
+  cmd = [sys.executable, 'benchmarks/device_model.py', '--tiny', '--lengths',
+         '64', '--reps', '3', '--out', str(tmp_path)]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / 'model.json') as f:
+    result = json.load(f)
+  assert result['info']['backend'] == 'cpu' and result['info']['jax']
+  assert result['info']['device_kind']
+  assert result['ceilings']['copy_bytes_per_s'] > 0
+  assert result['ceilings']['matmul_flops_per_s']['bfloat16'] > 0
+  assert result['model']['state_dim_F'] == 16 and not result['skipped']
+  rows = {r['variant']: r for r in result['rows']}
+  assert set(rows) == {'dense', 'orthros', 'none', 'orthros_sinks4',
+                       'dense_forward'}
+  for r in rows.values():
+    assert r['status'] == 'ok' and r['length'] == 64 and r['reps'] == 3
+    assert 0 < r['ttft_min_s'] <= r['ttft_s']
+    assert r['ttft_max_s'] > 0 and len(r['ttft_times_s']) == 3
+    assert r['prefill_impl']
+  for v in ('dense', 'orthros', 'none', 'orthros_sinks4'):
+    assert rows[v]['decode_tokens_per_s'] > 0 and rows[v]['decode_impl']
+  # On CPU dispatch takes the XLA functions (Pallas on GPU/TPU).
+  assert rows['orthros']['prefill_impl'].endswith('orthros_prefill')
+  assert rows['orthros']['sinks'] == 0 and rows['orthros_sinks4']['sinks'] == 4
+  assert 'decode_attention' in rows['dense']['prefill_impl']
+  assert rows['none']['prefill_impl'].endswith('_no_attention')
+  assert rows['dense_forward']['prefill_impl'].endswith('softmax_attention')
+  assert [r['length'] for r in result['ratios']] == [64]
+  with open(tmp_path / 'model.csv') as f:
+    assert len(f.read().strip().splitlines()) == 1 + len(rows)
+
+
+def test_device_model_time_box_and_recipe(tmp_path):
+  """Lengths run shortest, longest, then the rest; a measurement that cannot
+  fit is skipped with the reason; the attention is configs/convert_smollm2's."""
+  bench = _load('device_model')
+  result = bench.run(str(tmp_path), tiny=True, lengths=[64, 32], budget_s=0,
+                     ceilings=False)
+  assert not result['rows'] and len(result['skipped']) == 2 * 5
+  assert all('time box' in r['status'] for r in result['skipped'])
+  assert [r['length'] for r in result['skipped'][:3]] == [32] * 3
+  with open(tmp_path / 'model.json') as f:
+    assert json.load(f)['skipped'] == result['skipped']
+  assert bench.priority([16384, 4096, 32768, 8192]) == [4096, 32768, 16384,
+                                                         8192]
+  done = [dict(variant='dense', length=4096, status='ok', ttft_s=0.1,
+               decode_step_s=0.01, wall_s=10.0)]
+  # compile 10 - 4 * 0.1 - 5 * 0.01 = 9.55 s, then the run scales by 2^2.
+  assert bench.predict_s('dense', 8192, done, 3) == pytest.approx(
+      9.55 + 4 * (4 * 0.1 + 5 * 0.01))
+  assert bench.predict_s('none', 8192, done, 3) is None
+  from configs import convert_smollm2  # pylint: disable=g-import-not-at-top
+  assert bench.RECIPE_ATTENTION == dict(convert_smollm2.get_config().attention)
+  cfg = bench.smollm2_config(sinks=0)
+  assert (cfg.num_layers, cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads,
+          cfg.head_dim, cfg.attention.state_dim) == (30, 576, 9, 3, 64, 128)
+
+
+def test_pallas_fit_cases_match_the_reference_in_interpret_mode():
+  """benchmarks/pallas_fit.py's cases (the GPU schedule, interpreted) give
+  the XLA reference's outputs, at a setting past the kernel's own split
+  cap too."""
+  from benchmarks import pallas_fit  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  got = pallas_fit.prefill_case(t=96, h=3, k=1, d=16, f=8, window=32,
+                                chunk=16, dtype=jnp.float32, interpret=True)
+  assert got['error'] < 1e-5 and 'ms' not in got
+  got = pallas_fit.decode_case(s=300, h=4, k=2, d=128, split=256,
+                               dtype=jnp.float32, interpret=True)
+  assert got['error'] < 1e-5
