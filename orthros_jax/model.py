@@ -260,7 +260,19 @@ class Attention(nn.Module):
     if not cfg.is_orthros:
       # Query t of example b sits at start[b] + t, as `decode_attention`
       # places the last T of start + T keys.
-      y = self._decode_fn(t, b)(q, k_cache, v_cache, start + t)
+      decode = self._decode_fn(t, b)
+      fresh = (dispatch.fresh_prompt_attention(cfg.attention.impl)
+               if self._mesh_axes(b) is None else None)
+      if fresh is None:
+        y = decode(q, k_cache, v_cache, start + t)
+      else:
+        # An empty cache (every start 0): the prompt attends to itself, so
+        # a flash kernel (cuDNN on GPU) runs on q, k, v as given. Queries
+        # past an example's length differ (they see its padding) and are
+        # never read; every real query sees the same keys either way.
+        y = jax.lax.cond(jnp.all(start == 0),
+                         lambda: fresh(q, k, v, causal=True).astype(q.dtype),
+                         lambda: decode(q, k_cache, v_cache, start + t))
       return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     a = cfg.attention
     phi_q, phi_k, gamma = self._orthros_inputs(q, k)

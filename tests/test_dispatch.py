@@ -117,6 +117,63 @@ def test_model_runs_through_kernels(monkeypatch, backend):
     np.testing.assert_allclose(layer.z, ref.z, rtol=1e-5, atol=2e-5)
 
 
+def test_dense_prefill_of_a_fresh_prompt_on_gpu(monkeypatch):
+  """On GPU a dense prompt written into an empty cache attends to itself
+  through `fresh_prompt_attention` (cuDNN there; XLA for these float32
+  inputs, so it runs on CPU with the backend faked); a prompt continued
+  onto a cache reads the cache. Real positions and caches equal the CPU
+  path; padded query rows differ, which shows the fresh branch ran."""
+  assert dispatch.fresh_prompt_attention('auto') is None  # CPU
+  config = make_config(kind='dense', head_dim=8)
+  params = init_params(config)
+  x = random_tokens(3, (2, 19))
+  lengths = jnp.array([13, 6])
+
+  def run(tag):
+    # A new function object per run: the dispatch is decided while tracing.
+    def apply(params, tokens, cache, lengths, tag=tag):
+      del tag
+      return Transformer(config).apply(
+          {'params': params}, tokens, phase='prefill', cache=cache,
+          lengths=lengths, all_logits=True)
+    fn = jax.jit(apply)
+    first, cache = fn(params, x[:, :13], oj.init_cache(config, 2, 24),
+                      lengths)
+    second, cache = fn(params, x[:, 13:17], cache, jnp.array([4, 2]))
+    return first, second, cache
+
+  want = run('cpu')
+  monkeypatch.setattr(dispatch, '_backend', lambda: 'gpu')
+  assert dispatch.fresh_prompt_attention('xla') is None
+  with pytest.raises(ValueError, match='unknown'):
+    dispatch.fresh_prompt_attention('cudnn')
+  traced = []
+  real = dispatch.fresh_prompt_attention
+
+  def counting(impl):
+    fn = real(impl)
+    traced.append(fn.__name__)
+    return fn
+
+  monkeypatch.setattr(dispatch, 'fresh_prompt_attention', counting)
+  got = run('gpu')
+  assert traced == ['cudnn_or_xla'] * (2 * config.num_layers)
+  real_rows = np.arange(13)[None, :] < np.asarray(lengths)[:, None]
+  np.testing.assert_allclose(np.asarray(got[0])[real_rows],
+                             np.asarray(want[0])[real_rows], rtol=1e-5,
+                             atol=2e-5)
+  assert not np.allclose(np.asarray(got[0])[~real_rows],
+                         np.asarray(want[0])[~real_rows], atol=1e-3)
+  rows2 = np.arange(4)[None, :] < np.array([[4], [2]])
+  np.testing.assert_allclose(np.asarray(got[1])[rows2],
+                             np.asarray(want[1])[rows2], rtol=1e-5,
+                             atol=2e-5)
+  for layer, ref in zip(got[2], want[2]):
+    np.testing.assert_array_equal(layer.lengths, ref.lengths)
+    np.testing.assert_allclose(layer.k, ref.k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(layer.v, ref.v, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize('kind', ['dense', 'orthros'])
 def test_impl_none_removes_attention_only(kind):
   """impl='none' (the speed ceiling): attention returns its queries, so a

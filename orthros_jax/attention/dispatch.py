@@ -146,6 +146,19 @@ def decode_impl(impl: str, *, head_dim: int, query_rows: int = 1) -> Callable:
   return flash_decode
 
 
+def fresh_prompt_attention(impl: str) -> Callable | None:
+  """Causal attention over a prompt written into an empty cache, where a
+  flash kernel beats reading the cache back: cuDNN's on GPU
+  (`exact_attention`, which falls back to XLA where cuDNN does not apply);
+  None elsewhere (CPU and TPU read the cache through `decode_impl`)."""
+  if impl not in IMPLS:
+    raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
+                     f'{IMPLS}')
+  if impl in ('none', 'xla') or _backend() != 'gpu':
+    return None
+  return exact_attention(impl)
+
+
 def exact_attention(impl: str) -> Callable:
   """Causal full-sequence attention (q [B,T,H,D], k/v [B,T,K,D])."""
   if impl not in IMPLS:
