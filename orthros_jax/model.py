@@ -408,6 +408,14 @@ def _is_concrete(x) -> bool:
   return x is not None and not isinstance(x, jax.core.Tracer)
 
 
+def _raise_on_overflow(need, max_len: int) -> None:
+  need = np.asarray(need)
+  if need.size and int(need.max()) > max_len:
+    raise ValueError(
+        f'cache overflow: cached + new tokens reach {int(need.max())} '
+        f'> max_len={max_len}; allocate a larger cache')
+
+
 def _check_call(cfg, tokens, phase, cache, lengths, split):
   """Static checks always; value checks when the inputs are concrete."""
   if phase not in PHASES:
@@ -443,10 +451,16 @@ def _check_call(cfg, tokens, phase, cache, lengths, split):
                                      _is_concrete(lengths)):
       need = np.asarray(c0.lengths) + (
           t if lengths is None or phase == 'decode' else np.asarray(lengths))
-      if int(need.max()) > c0.max_len:
-        raise ValueError(
-            f'cache overflow: cached + new tokens reach {int(need.max())} '
-            f'> max_len={c0.max_len}; allocate a larger cache')
+      _raise_on_overflow(need, c0.max_len)
+    else:
+      # Under jit the lengths are traced: the same check runs on the host
+      # when the values exist (a write past max_len would be dropped and
+      # the logits silently wrong). The error reaches the caller as the
+      # runtime error of the jitted call, with this message.
+      need = c0.lengths + (t if lengths is None or phase == 'decode'
+                           else lengths)
+      jax.debug.callback(functools.partial(_raise_on_overflow,
+                                           max_len=c0.max_len), need)
   if split is not None and phase != 'forward':
     raise ValueError("split is only used by phase='forward'")
   if split is not None:

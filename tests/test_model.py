@@ -317,6 +317,21 @@ def test_model_call_errors():
   _, cache = apply(x, phase='prefill', cache=cache)
   with pytest.raises(ValueError, match='cache overflow'):
     apply(x[:, :3], phase='decode', cache=cache)
+  # Under jit the lengths are traced; the overflow is still an error (it
+  # used to write nowhere and return wrong logits), and a step that fits
+  # runs.
+  jitted = jax.jit(lambda tokens, cache, lengths=None: Transformer(
+      config).apply({'params': params}, tokens,
+                    phase='prefill' if lengths is not None else 'decode',
+                    cache=cache, lengths=lengths))
+  with pytest.raises(Exception, match='cache overflow.*reach 9 > max_len=8'):
+    jax.block_until_ready(jitted(x[:, :3], cache))
+  logits, _ = jitted(x[:, :2], cache)
+  assert np.all(np.isfinite(np.asarray(logits)))
+  fresh = oj.init_cache(config, 2, 8)
+  _, fresh = jitted(x, fresh, jnp.array([6, 2]))
+  with pytest.raises(Exception, match='cache overflow.*reach 9 > max_len=8'):
+    jax.block_until_ready(jitted(x[:, :3], fresh, jnp.array([3, 1])))
   with pytest.raises(ValueError, match='lengths'):
     apply(x, phase='prefill', cache=oj.init_cache(config, 2, 8),
           lengths=jnp.array([7, 2]))
