@@ -359,14 +359,20 @@ class Transformer(nn.Module):
   split: [B] or scalar, forward only: first position computed exactly.
   all_logits: prefill returns [B, T, V] instead of the last valid token's
     [B, V]. forward returns [B, T, V]; decode returns [B, T_q, V].
+  check_overflow: with traced cache lengths (under jit), check on the host
+    that the new tokens fit the cache (a `jax.debug.callback`, one host
+    round trip per call); False for loops whose caller sized the cache
+    (`generate`, the speed benchmark), which then skip that round trip.
   """
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens, *, phase: str, cache=None, lengths=None,
-               split=None, all_logits: bool = False):
+               split=None, all_logits: bool = False,
+               check_overflow: bool = True):
     cfg = self.config
-    b, t = _check_call(cfg, tokens, phase, cache, lengths, split)
+    b, t = _check_call(cfg, tokens, phase, cache, lengths, split,
+                       check_overflow)
     embed = nn.Embed(
         cfg.vocab_size, cfg.embed_dim, dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
@@ -416,7 +422,8 @@ def _raise_on_overflow(need, max_len: int) -> None:
         f'> max_len={max_len}; allocate a larger cache')
 
 
-def _check_call(cfg, tokens, phase, cache, lengths, split):
+def _check_call(cfg, tokens, phase, cache, lengths, split,
+                check_overflow=True):
   """Static checks always; value checks when the inputs are concrete."""
   if phase not in PHASES:
     raise ValueError(f'phase={phase!r} is unknown: expected one of {PHASES}')
@@ -452,7 +459,7 @@ def _check_call(cfg, tokens, phase, cache, lengths, split):
       need = np.asarray(c0.lengths) + (
           t if lengths is None or phase == 'decode' else np.asarray(lengths))
       _raise_on_overflow(need, c0.max_len)
-    else:
+    elif check_overflow:
       # Under jit the lengths are traced: the same check runs on the host
       # when the values exist (a write past max_len would be dropped and
       # the logits silently wrong). The error reaches the caller as the

@@ -332,6 +332,12 @@ def test_model_call_errors():
   _, fresh = jitted(x, fresh, jnp.array([6, 2]))
   with pytest.raises(Exception, match='cache overflow.*reach 9 > max_len=8'):
     jax.block_until_ready(jitted(x[:, :3], fresh, jnp.array([3, 1])))
+  # check_overflow=False (loops whose caller sized the cache) skips the
+  # host round trip: the same overflowing call then returns.
+  unchecked = jax.jit(lambda tokens, cache: Transformer(config).apply(
+      {'params': params}, tokens, phase='decode', cache=cache,
+      check_overflow=False))
+  jax.block_until_ready(unchecked(x[:, :3], cache))
   with pytest.raises(ValueError, match='lengths'):
     apply(x, phase='prefill', cache=oj.init_cache(config, 2, 8),
           lengths=jnp.array([7, 2]))

@@ -80,11 +80,15 @@ def _ttft_fn(config: ModelConfig, batch: int, n: int) -> Callable:
   def ttft(params, tokens):
     cache = init_cache(config, batch, n)
     lengths = jnp.full((batch,), n - tail, jnp.int32)
+    # The cache is made to fit here: no host-side overflow check in the
+    # timed program.
     logits, cache = model.apply({'params': params}, tokens, phase='prefill',
-                                cache=cache, lengths=lengths)
+                                cache=cache, lengths=lengths,
+                                check_overflow=False)
     if tail:
       logits, _ = model.apply({'params': params}, tokens[:, n - tail:],
-                              phase='decode', cache=cache)
+                              phase='decode', cache=cache,
+                              check_overflow=False)
       logits = logits[:, -1]
     return jnp.argmax(logits, axis=-1)
 
@@ -96,7 +100,7 @@ def _decode_fn(config: ModelConfig) -> Callable:
 
   def step(params, token, cache):
     logits, cache = model.apply({'params': params}, token, phase='decode',
-                                cache=cache)
+                                cache=cache, check_overflow=False)
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
 
   return step
