@@ -9,6 +9,11 @@ shipped as `base weights (from their own source) + adapter`:
     write_adapter(out_dir, config, base_params, lora, alpha=16.0)   # convert
     config, params = apply_adapter(out_dir, base_config, base_params)
 
+A conversion can start from an adapter: `stage1_from_adapter` (a stage-1
+adapter stands for stage 1) and `stage2_from_adapter` (a finished LoRA
+adapter's factors are where a second stage 2 starts); convert.py's
+`stage1.from_adapter` / `stage2.from_adapter`.
+
 Files (safetensors, never pickle): out_dir/adapter.safetensors with keys
   layers_{i}.attn.phi_q.proj, layers_{i}.attn.phi_k.proj   [H, D, P]
   layers_{i}.attn.window_logit                             [H]
@@ -28,6 +33,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -186,6 +192,99 @@ def adapter_parts(path: str | os.PathLike, base_config: ModelConfig,
             'a': jnp.asarray(tensors[key]),
             'b': jnp.asarray(tensors[f'{layer}.attn.{proj}.lora_b'])}
   return config, params, lora, meta
+
+
+# ---------------------------------------------- conversions from an adapter
+
+
+def stage1_from_adapter(path: str, student: ModelConfig,
+                        teacher: ModelConfig, teacher_params: dict
+                        ) -> tuple[dict, dict]:
+  """(stage-1 params, summary) from a stage-1 adapter: the teacher's
+  weights with the adapter's feature maps and window weights, in place of
+  running stage 1. The adapter must hold no LoRA factors (a stage-2
+  adapter is a finished conversion), be made for these teacher weights
+  (apply_adapter checks the digest) and for this exact attention config.
+  The summary carries the stage's steps and tokens from the adapter's
+  provenance (None when it does not say), so reports count them."""
+  where = os.path.join(path, CONFIG)
+  meta, _ = read_adapter(path)
+  if int(meta.get('lora_rank', 0)):
+    raise ValueError(f'{where} holds LoRA factors (rank '
+                     f"{meta['lora_rank']}): stage1.from_adapter takes a "
+                     'stage-1 adapter (feature maps and windows only)')
+  _check_adapter_attention(meta, student, where)
+  config, params = apply_adapter(path, teacher, teacher_params)
+  del config
+  prov = meta.get('provenance') or {}
+  stage1 = (prov.get('conversion_config') or {}).get('stage1') or {}
+  data = (prov.get('conversion_config') or {}).get('data') or {}
+  steps = prov.get('step')
+  tokens = None
+  if steps is not None and data.get('batch_size') and data.get('seq_len'):
+    tokens = int(steps) * int(data['batch_size']) * int(data['seq_len'])
+  elif stage1.get('tokens'):
+    tokens = int(stage1['tokens'])
+  return params, {'steps': int(steps) if steps is not None else 0,
+                  'tokens': tokens, 'from_adapter': os.path.abspath(path),
+                  'workdir': prov.get('conversion_workdir')}
+
+
+
+def _check_adapter_attention(meta: dict, student: ModelConfig,
+                             where: str) -> None:
+  got = dict(meta['model_config'].get('attention') or {})
+  want = dataclasses.asdict(student.attention)
+  # exact_tail and impl are inference settings: training never reads them.
+  diff = {k: (got.get(k), v) for k, v in want.items()
+          if got.get(k) != v and k not in ('exact_tail', 'impl')}
+  if diff:
+    raise ValueError(f'{where} was made for another attention config; '
+                     f'(adapter, this conversion) differ in {diff}')
+
+
+def stage2_from_adapter(path: str, student: ModelConfig,
+                        teacher: ModelConfig, teacher_params: dict, *,
+                        rank: int, alpha: float, targets: Sequence[str]
+                        ) -> tuple[dict, dict, dict]:
+  """(stage-1 params, LoRA factors, summary) of a finished LoRA adapter, to
+  continue its stage 2 (on longer rows, say): its feature maps and window
+  weights stand for stage 1 (not run), its LoRA factors are where stage 2
+  starts. The adapter must be of these teacher weights, this attention
+  config, and this LoRA rank, alpha and target set. The summary carries
+  the adapter's own stage-1 and stage-2 steps and tokens from its
+  provenance (None where it does not say)."""
+  where = os.path.join(path, CONFIG)
+  config, params, lora, meta = adapter_parts(
+      path, teacher, teacher_params)
+  del config
+  if not lora:
+    raise ValueError(f'{where} holds no LoRA factors: stage2.from_adapter '
+                     'continues a finished LoRA conversion (a stage-1 '
+                     'adapter goes to stage1.from_adapter)')
+  _check_adapter_attention(meta, student, where)
+  got = (int(meta.get('lora_rank', 0)), float(meta['lora_alpha']),
+         sorted({p for layer in lora.values() for p in layer}))
+  want = (rank, alpha, sorted(targets))
+  if got != want:
+    raise ValueError(f'{where} has LoRA (rank, alpha, targets) {got}; this '
+                     f'conversion asks for {want}')
+  prov = meta.get('provenance') or {}
+  s1 = dict(prov.get('stage1') or prov.get('stage1_from_adapter') or {})
+  prior = dict(prov.get('stage2_from_adapter') or {})
+  steps2 = prov.get('stage2_step')
+  tokens2 = prov.get('stage2_tokens')
+  return params, lora, {
+      'from_adapter': os.path.abspath(path),
+      'stage1': {'steps': int(s1.get('steps') or 0),
+                 'tokens': s1.get('tokens')},
+      # Every stage-2 run before this one: the adapter's own, and what it
+      # continued in turn.
+      'steps': int(steps2 or 0) + int(prior.get('steps') or 0),
+      'tokens': (None if tokens2 is None or (prior and prior.get('tokens')
+                                              is None)
+                 else int(tokens2) + int(prior.get('tokens') or 0)),
+      'workdir': prov.get('conversion_workdir')}
 
 
 def export_from_conversion(workdir: str | os.PathLike,
