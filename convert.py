@@ -11,12 +11,16 @@ their token budgets; the Orthros checkpoint goes to
 WORKDIR/orthros/checkpoints, the comparison with the teacher and the
 pure-linear floor to WORKDIR/report.{json,md}. A workdir holding a
 partial run resumes it.
+
+The console shows progress bars, tables and paths; --verbosity=0 adds the
+INFO lines of orbax, absl and jax (orthros_jax/console.py).
 """
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from orthros_jax import console
 from orthros_jax import sharding
 from orthros_jax.conversion.pipeline import convert
 
@@ -33,6 +37,7 @@ _DISTRIBUTED = flags.DEFINE_enum(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  console.quiet_logging()
   sharding.initialize_distributed(_DISTRIBUTED.value)
   convert(_CONFIG.value, _WORKDIR.value)
 

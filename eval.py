@@ -8,6 +8,9 @@ linear (same weights; see orthros_jax/evaluation/suite.py).
 
 Writes results/<name>/ (or --out): results.json, report.md, PNG plots and
 speed.csv.
+
+The console shows progress bars, tables and paths; --verbosity=0 adds the
+INFO lines of orbax, absl and jax (orthros_jax/console.py).
 """
 
 import os
@@ -16,6 +19,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from orthros_jax import console
 from orthros_jax import sharding
 from orthros_jax.evaluation.suite import run
 
@@ -33,6 +37,7 @@ _DISTRIBUTED = flags.DEFINE_enum(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  console.quiet_logging()
   sharding.initialize_distributed(_DISTRIBUTED.value)
   config = _CONFIG.value
   run(config, _OUT.value or os.path.join('results', config.name))

@@ -6,12 +6,16 @@
 
 A workdir that already holds a checkpoint is resumed. Metrics go to
 WORKDIR/metrics.jsonl and WORKDIR/tensorboard.
+
+The console shows progress bars, tables and paths; --verbosity=0 adds the
+INFO lines of orbax, absl and jax (orthros_jax/console.py).
 """
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from orthros_jax import console
 from orthros_jax import sharding
 from orthros_jax.training.train_lm import train_and_evaluate
 
@@ -28,6 +32,7 @@ _DISTRIBUTED = flags.DEFINE_enum(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  console.quiet_logging()
   sharding.initialize_distributed(_DISTRIBUTED.value)
   train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 

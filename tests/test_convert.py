@@ -5,6 +5,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -450,6 +451,8 @@ def test_convert_py_entry_point(converted, teacher_dir, tmp_path):
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert '| orthros |' in proc.stdout
+  # No library INFO lines (orbax restoring the checkpoints) by default.
+  assert not re.search(r'^I\d{4} ', proc.stderr, re.M), proc.stderr[-3000:]
   with open(tmp_path / 'run' / 'report.json') as f:
     assert json.load(f)['eval'] == json.loads(json.dumps(report['eval']))
 

@@ -4,6 +4,7 @@ and the suite end to end on small random checkpoints."""
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -272,6 +273,7 @@ def test_eval_py_entry_point(checkpoints, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert '| metric | orthros |' in proc.stdout
   assert (tmp_path / 'report.md').exists()
+  assert not re.search(r'^I\d{4} ', proc.stderr, re.M), proc.stderr[-3000:]
 
 
 def test_every_retrieval_task_runs_through_the_suite(checkpoints, tmp_path,

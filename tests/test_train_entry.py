@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -82,12 +83,23 @@ def test_bad_config_keys_are_named(tmp_path):
     train_and_evaluate(config, tmp_path)
 
 
+INFO_LINE = re.compile(r'^I\d{4} ', re.M)  # absl's INFO prefix: I<mmdd>
+
+
 def test_train_py_entry_point(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
+  cmd = [sys.executable, 'train.py', '--config=configs/tiny.py:smoke',
+         '--config.train.num_steps=2', '--config.model.attention.kind=orthros']
   proc = subprocess.run(
-      [sys.executable, 'train.py', '--config=configs/tiny.py:smoke',
-       f'--workdir={tmp_path}', '--config.train.num_steps=2',
-       '--config.model.attention.kind=orthros'],
+      cmd + [f'--workdir={tmp_path}'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # Quiet by default (orthros_jax/console.py); --verbosity=0 shows the
+  # libraries' INFO lines (orbax's checkpoint manager, the loop's steps).
+  assert not INFO_LINE.search(proc.stderr), proc.stderr[-3000:]
+  loud = subprocess.run(
+      cmd + [f'--workdir={tmp_path / "loud"}', '--verbosity=0'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert loud.returncode == 0, loud.stderr[-3000:]
+  assert INFO_LINE.search(loud.stderr) and 'checkpoint' in loud.stderr
   assert [r['step'] for r in _records(tmp_path) if 'loss' in r] == [1, 2]

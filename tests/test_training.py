@@ -17,6 +17,7 @@ import pytest
 
 import orthros_jax as oj
 from orthros_jax import training as tr
+from orthros_jax.training import metrics as metrics_lib
 from orthros_jax.training import state as state_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,6 +173,17 @@ def test_lr_multipliers_scale_updates_exactly():
 # ---------------------------------------------------------------- steps
 
 
+def test_progress_bar_rates(monkeypatch):
+  clock = iter([10.0, 12.0, 13.0])
+  monkeypatch.setattr(metrics_lib.time, 'perf_counter', lambda: next(clock))
+  bar = tr.ProgressBar(10, enabled=False)
+  # 2 s for 400 input positions of which 100 count in the loss.
+  assert bar.update(2, 400.0, 1.5, 100.0) == (200.0, 50.0)
+  rate, loss_rate = bar.update(1, 50.0, 1.0)
+  assert rate == 50.0 and np.isnan(loss_rate)
+  bar.close()
+
+
 @pytest.mark.parametrize('kind, prompt', [('dense', False), ('orthros', True)])
 def test_loss_decreases(tmp_path, kind, prompt):
   config = tiny_config(kind)
@@ -193,6 +205,13 @@ def test_loss_decreases(tmp_path, kind, prompt):
   records = tr.read_metrics(tmp_path)
   assert [r['step'] for r in records] == [5, 10, 10, 15, 20, 20, 25, 30, 30]
   assert 'tokens_per_s' in records[0] and 'eval/loss' not in records[0]
+  # tok_s counts every input position, loss_tok_s the loss's own positions
+  # (the answers only when the rows have prompts).
+  assert all(h['input_tokens'] == B * T for h in history)
+  if prompt:
+    assert all(h['tokens'] < B * T for h in history)
+    assert all(r['loss_tokens_per_s'] < r['tokens_per_s'] for r in records
+               if 'loss' in r)
   assert evaluated == [10, 20, 30]
   assert records[-1]['eval/loss'] < records[2]['eval/loss']
   assert any(f.startswith('events.out.tfevents')

@@ -182,6 +182,10 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
       state, metrics = train_step(state, batch, jax.random.fold_in(rng, step))
       metrics = {k: np.asarray(v).item()
                  for k, v in jax.device_get(metrics).items()}
+      # Every input position of the global batch (the progress bar's
+      # tok_s); 'tokens' is the loss's own count.
+      metrics['input_tokens'] = float(np.size(batch['inputs'])
+                                      * jax.process_count())
       step += 1
       if not metrics.pop('finite', True):
         manager.wait()
@@ -218,10 +222,13 @@ def _jit_with_mesh(init, partitioner, shardings):
 
 
 def _log(writer, bar, step: int, window: list[dict]) -> None:
+  inputs = sum(m.get('input_tokens', 0.0) for m in window)
   tokens = sum(m.get('tokens', 0.0) for m in window)
   means = {k: sum(m[k] for m in window) / len(window) for k in window[-1]}
-  rate = bar.update(len(window), tokens, means.get('loss', math.nan))
-  writer.write(step, dict(means, tokens_per_s=rate))
+  rate, loss_rate = bar.update(len(window), inputs,
+                               means.get('loss', math.nan), tokens)
+  writer.write(step, dict(means, tokens_per_s=rate,
+                          loss_tokens_per_s=loss_rate))
   logging.info('step %d: %s', step, means)
 
 

@@ -78,24 +78,34 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict]:
 
 
 class ProgressBar:
-  """tqdm over steps showing loss and tokens/s (process 0 only)."""
+  """tqdm over steps (process 0 only) showing the loss, `tok_s` (every
+  input position the steps processed, padding included: B x T per step,
+  the rate the hardware sees) and, when given, `loss_tok_s` (the positions
+  the loss counts: every real next token of text, only the answer tokens
+  of a synthetic task)."""
 
   def __init__(self, total: int, initial: int = 0, enabled: bool | None = None):
     enabled = jax.process_index() == 0 if enabled is None else enabled
     self._bar = tqdm.tqdm(total=total, initial=initial, disable=not enabled,
                           unit='step', dynamic_ncols=True)
     self._time = time.perf_counter()
-    self._tokens = 0.0
 
-  def update(self, steps: int, tokens: float, loss: float) -> float:
-    """Advances the bar; returns tokens/s since the previous update."""
-    self._tokens += tokens
+  def update(self, steps: int, tokens: float, loss: float,
+             loss_tokens: float | None = None) -> tuple[float, float]:
+    """Advances the bar by `steps` that processed `tokens` input positions
+    (and `loss_tokens` loss positions); returns (tokens/s, loss tokens/s)
+    since the previous update, the second nan when not given."""
     now = time.perf_counter()
-    rate = self._tokens / max(now - self._time, 1e-9)
-    self._time, self._tokens = now, 0.0
+    elapsed = max(now - self._time, 1e-9)
+    self._time = now
+    rate = tokens / elapsed
+    loss_rate = math.nan if loss_tokens is None else loss_tokens / elapsed
     self._bar.update(steps)
-    self._bar.set_postfix(loss=f'{loss:.4f}', tok_s=f'{rate:,.0f}')
-    return rate
+    post = dict(loss=f'{loss:.4f}', tok_s=f'{rate:,.0f}')
+    if loss_tokens is not None:
+      post['loss_tok_s'] = f'{loss_rate:,.0f}'
+    self._bar.set_postfix(**post)
+    return rate, loss_rate
 
   def close(self) -> None:
     self._bar.close()
