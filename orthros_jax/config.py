@@ -52,6 +52,16 @@ class AttentionConfig:
     query's exact set (attention sinks, as StreamingLLM) and never enter the
     linear part or its state; 0 = none. XLA prefill only (the Pallas prefill
     kernel has no sinks: impl='pallas' raises, 'auto' uses XLA).
+  length_scale: scale every prefill query's linear weights by
+    (n_old / W) ** -alpha_h, n_old = max(1, t + 1 - W - sinks) the number of
+    older tokens of the query at position t and alpha_h a learned per-head
+    exponent (param `length_exponent`, init 0: the plain formula). Hedgehog
+    maps of RoPE'd q and k cannot see distance, so their mass on older
+    tokens grows with n_old where a pretrained model's softmax mass barely
+    moves (benchmarks/linear_share.py); alpha, fitted on every prefix of
+    the training rows, lets the linear share follow it. Folded into phi_q,
+    so every prefill path and the decode fold are unchanged. Needs
+    window > 0 or sinks > 0 (with linear weights alone it cancels).
   """
 
   kind: AttentionKind = 'dense'
@@ -63,6 +73,7 @@ class AttentionConfig:
   impl: Impl = 'auto'
   window_init: float = 0.1
   sinks: int = 0
+  length_scale: bool = False
 
   def __post_init__(self):
     _check(self.kind in _KINDS, 'attention.kind', self.kind, f'one of {_KINDS}')
@@ -81,6 +92,13 @@ class AttentionConfig:
            self.window_init, 'a number strictly between 0 and 1')
     _check(isinstance(self.sinks, int) and self.sinks >= 0,
            'attention.sinks', self.sinks, 'an integer >= 0 (0 = no sinks)')
+    _check(isinstance(self.length_scale, bool), 'attention.length_scale',
+           self.length_scale, 'True or False')
+    _check(not (self.length_scale and self.kind == 'orthros'
+                and self.window == 0 and self.sinks == 0),
+           'attention.length_scale', self.length_scale,
+           'False with window 0 and no sinks (a pure-linear output does '
+           'not change when its weights are scaled)')
 
   @property
   def state_dim(self) -> int:

@@ -154,6 +154,10 @@ class Attention(nn.Module):
           'window_logit', _partitioned(
               nn.initializers.constant(inverse_sigmoid(a.window_init)),
               ('heads',)), (h,), cfg.param_dtype)
+      if a.length_scale:
+        self.length_exponent = self.param(
+            'length_exponent', _partitioned(nn.initializers.zeros,
+                                            ('heads',)), (h,), cfg.param_dtype)
 
   def key_features(self, k: Array) -> Array:
     """phi_k of keys [B, N, K, D], repeated per query head -> [B, N, H, F]."""
@@ -221,9 +225,17 @@ class Attention(nn.Module):
     return functools.partial(sharded_flash_decode, part.mesh,
                              batch_axis=batch_axes, head_axis=head_axes)
 
-  def _orthros_inputs(self, q, k):
+  def _orthros_inputs(self, q, k, positions):
+    """(phi_q, phi_k, gamma); positions [B, T]: each query's absolute
+    position (attention.length_scale scales phi_q by it)."""
+    a = self.config.attention
     gamma = jax.nn.sigmoid(self.window_logit.astype(jnp.float32))
-    return self.phi_q(q), self.key_features(k), gamma
+    phi_q = self.phi_q(q)
+    if a.length_scale:
+      scale = attn_lib.length_scales(positions, self.length_exponent,
+                                     window=a.window, sinks=a.sinks)
+      phi_q = phi_q * scale.astype(phi_q.dtype)[..., None]
+    return phi_q, self.key_features(k), gamma
 
   def _forward(self, q, k, v, split):
     cfg = self.config
@@ -231,10 +243,11 @@ class Attention(nn.Module):
     if not cfg.is_orthros:
       return exact_fn(q, k, v, causal=True)
     a = cfg.attention
-    phi_q, phi_k, gamma = self._orthros_inputs(q, k)
+    b, t = q.shape[:2]
+    phi_q, phi_k, gamma = self._orthros_inputs(
+        q, k, jnp.broadcast_to(jnp.arange(t), (b, t)))
     extra = {}
     if a.sinks:
-      b, t = q.shape[:2]
       n = min(a.sinks, t)
       extra['sinks'] = attn_lib.Sinks(k[:, :n], v[:, :n],
                                       jnp.ones((b, n), bool),
@@ -275,7 +288,8 @@ class Attention(nn.Module):
                          lambda: decode(q, k_cache, v_cache, start + t))
       return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     a = cfg.attention
-    phi_q, phi_k, gamma = self._orthros_inputs(q, k)
+    phi_q, phi_k, gamma = self._orthros_inputs(
+        q, k, start[:, None] + jnp.arange(t)[None, :])
     prefix = None
     if a.window > 0:
       # The W cached tokens before the prompt are not in (S, z) yet.
@@ -501,7 +515,8 @@ def _check_call(cfg, tokens, phase, cache, lengths, split,
 
 def init_orthros_params(config: ModelConfig, rng: Array | None = None) -> dict:
   """Fresh feature-map and window params for every layer (the starting point
-  of a conversion): {'layers_i': {'attn': {'phi_q', 'phi_k', 'window_logit'}}}.
+  of a conversion): {'layers_i': {'attn': {'phi_q', 'phi_k', 'window_logit'}}}
+  and, with attention.length_scale, 'length_exponent' (zeros).
   """
   if not config.is_orthros:
     raise ValueError('init_orthros_params needs attention.kind="orthros"')
@@ -518,4 +533,7 @@ def init_orthros_params(config: ModelConfig, rng: Array | None = None) -> dict:
         'phi_k': nn.unbox(fmap.init(kk, x)['params']),
         'window_logit': jnp.full((h,), inverse_sigmoid(a.window_init),
                                  config.param_dtype)}}
+    if a.length_scale:
+      out[f'layers_{i}']['attn']['length_exponent'] = jnp.zeros(
+          (h,), config.param_dtype)
   return out

@@ -112,14 +112,15 @@ def decode_attention(q, k_cache, v_cache, lengths) -> np.ndarray:
 
 
 def orthros_prefill(q, k, v, phi_q, phi_k, gamma, *, window, lengths=None,
-                    sinks=0):
+                    sinks=0, length_exponent=None):
   """Section 3 prefill formula, one weight per (query, key).
 
   q [B,T,H,D], k/v [B,T,K,D], phi_q/phi_k [B,T,H,F], gamma [H].
   Returns (y [B,T,H,D], S [B,H,F,D], z [B,H,F]). Example b uses only its first
   L = lengths[b] tokens (T if None); y at t >= L is left as NaN. Keys
   j < sinks join every query's exact (window) set and never the linear part
-  or the state.
+  or the state. length_exponent [H] (attention.length_scale): the linear
+  weights of query t times (max(1, t + 1 - W - sinks) / max(W, 1)) ** -a_h.
   """
   q, k, v = _f64(q), _f64(k), _f64(v)
   phi_q, phi_k, gamma = _f64(phi_q), _f64(phi_k), _f64(gamma)
@@ -144,6 +145,10 @@ def orthros_prefill(q, k, v, phi_q, phi_k, gamma, *, window, lengths=None,
           weights[in_window] = gamma[h] * np.exp(scores[in_window] - m)
         older = ~in_window
         weights[older] = phi_k[b, keys[older], h] @ phi_q[b, t, h]
+        if length_exponent is not None:
+          n_old = max(1, t + 1 - window - sinks)
+          weights[older] *= (n_old / max(window, 1)) ** -float(
+              length_exponent[h])
         den = weights.sum()
         y[b, t, h] = 0.0 if den == 0.0 else (weights @ v[b, :t + 1, kh]) / den
       for j in range(sinks, max(n - window, 0)):  # sinks <= j < L - W

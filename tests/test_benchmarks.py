@@ -214,3 +214,66 @@ def test_pallas_fit_cases_match_the_reference_in_interpret_mode():
   got = pallas_fit.decode_case(s=300, h=4, k=2, d=128, split=256,
                                dtype=jnp.float32, interpret=True)
   assert got['error'] < 1e-5
+
+
+def test_linear_share_script(tmp_path):
+  """The older-token shares of benchmarks/linear_share.py against a float64
+  numpy evaluation of the same weights (teacher softmax mass, Orthros'
+  linear share of its denominator), and the script end to end on held-out
+  text with the committed tiny teacher."""
+  params, cfg, _ = ckpt_lib.load_params(TEACHER)
+  teacher = model_config_from(cfg)
+  window, sinks = 6, 2
+  student = pipeline.orthros_config(teacher, dict(
+      kind='orthros', window=window, chunk_size=8, feature_dim=8,
+      sinks=sinks))
+  orthros = pipeline.init_student(params, student, jax.random.PRNGKey(0))
+  bench = _load('linear_share')
+  t_len, first = 37, 20
+  x = jax.random.normal(jax.random.PRNGKey(1), (1, t_len, student.embed_dim))
+  layer = orthros['layers_1']['attn']
+  teach, orth = bench.layer_shares(student, layer, x, first)
+  positions = np.arange(t_len)[None]
+  q, k, phi_q, phi_k, gamma = (np.asarray(a, np.float64) for a in
+                               bench.Attention(student).apply(
+                                   {'params': layer}, x, positions,
+                                   method=bench._qk_features))
+  k = np.repeat(k, student.num_groups, axis=2)
+  want_t = np.zeros((student.num_heads, t_len))
+  want_o = np.zeros((student.num_heads, t_len))
+  for h in range(student.num_heads):
+    for t in range(t_len):
+      s = q[0, t, h] @ k[0, :t + 1, h].T / np.sqrt(student.head_dim)
+      j = np.arange(t + 1)
+      exact = (j > t - window) | (j < sinks)
+      p = np.exp(s - s.max())
+      p /= p.sum()
+      want_t[h, t] = p[~exact].sum()
+      win = gamma[h] * np.exp(s[exact] - s[exact].max()).sum()
+      lin = (phi_k[0, :t + 1, h][~exact] @ phi_q[0, t, h]).sum()
+      want_o[h, t] = lin / (win + lin)
+  np.testing.assert_allclose(teach[0], want_t[:, first:].mean(-1), rtol=1e-5)
+  np.testing.assert_allclose(orth[0], want_o[:, first:].mean(-1), rtol=1e-5)
+  assert np.all(np.asarray(orth) > 0) and np.all(np.asarray(teach) > 0)
+
+  adapter_lib.write_adapter(tmp_path / 'adapter', student, params, orthros,
+                            {}, alpha=16.0)
+  heldout = tmp_path / 'heldout.jsonl'
+  rng = np.random.default_rng(0)
+  words = ['alpha', 'beta', 'gamma', 'delta', 'kappa', 'omega']
+  with open(heldout, 'w') as f:
+    for _ in range(8):
+      f.write(json.dumps({'text': ' '.join(rng.choice(words, 80))}) + '\n')
+  out = tmp_path / 'out'
+  bench.main(['--checkpoint', str(tmp_path / 'adapter'), '--teacher',
+              TEACHER, '--tokenizer', 'byte', '--heldout', str(heldout),
+              '--lengths', '48,96', '--rows', '2', '--sinks', str(sinks),
+              '--out', str(out)])
+  with open(out / 'results.json') as f:
+    res = json.load(f)
+  assert [r['length'] for r in res['results']] == [48, 96]
+  for r in res['results']:
+    assert len(r['teacher']) == len(r['orthros']) == student.num_layers
+    assert 0 < r['teacher_mean'] < 1 and 0 < r['orthros_mean'] < 1
+  assert (out / 'linear_share.png').exists()
+  assert '| Orthros / teacher |' in (out / 'report.md').read_text()

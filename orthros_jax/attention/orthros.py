@@ -29,6 +29,7 @@ without them a short window renormalises that mass onto local tokens.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -93,6 +94,19 @@ def fold_into_state(state: LinearState, phi_k: Array, v: Array,
   ds = jnp.einsum('bnkgf,bnkd->bkgfd', phi, v.astype(jnp.float32))
   return LinearState(state.S + ds.reshape(b, h, f, -1),
                      state.z + jnp.sum(phi, axis=1).reshape(b, h, f))
+
+
+def length_scales(positions: Array, exponent: Array, *, window: int,
+                  sinks: int) -> Array:
+  """[B, T, H] float32 factors (n_old / W) ** -exponent_h of
+  `AttentionConfig.length_scale`, for queries at absolute `positions`
+  [B, T]; n_old = max(1, t + 1 - W - sinks) counts the query's older,
+  non-sink tokens (the ones its linear weights cover). Multiplying phi_q by
+  them scales every linear weight of the query and nothing else."""
+  n_old = jnp.maximum(positions.astype(jnp.float32) + 1.0 - window - sinks,
+                      1.0)
+  log_ratio = jnp.log(n_old) - math.log(max(window, 1))
+  return jnp.exp(-log_ratio[..., None] * exponent.astype(jnp.float32))
 
 
 def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,

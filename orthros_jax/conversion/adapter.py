@@ -17,6 +17,7 @@ adapter's factors are where a second stage 2 starts); convert.py's
 Files (safetensors, never pickle): out_dir/adapter.safetensors with keys
   layers_{i}.attn.phi_q.proj, layers_{i}.attn.phi_k.proj   [H, D, P]
   layers_{i}.attn.window_logit                             [H]
+  layers_{i}.attn.length_exponent                          [H]  (length_scale)
   layers_{i}.attn.{q,k,v,o}_proj.lora_a / .lora_b          [in, r], [r, out]
 and out_dir/adapter_config.json: the converted ModelConfig, lora_alpha,
 lora_rank, a fingerprint of the base weights (every layer's shapes and a
@@ -87,8 +88,9 @@ def write_adapter(out_dir: str | os.PathLike, config: ModelConfig,
     for name in ('phi_q', 'phi_k'):
       tensors[f'{layer}.attn.{name}.proj'] = np.asarray(attn[name]['proj'],
                                                         np.float32)
-    tensors[f'{layer}.attn.window_logit'] = np.asarray(attn['window_logit'],
-                                                       np.float32)
+    for name in ('window_logit', 'length_exponent'):
+      if name in attn:  # length_exponent: attention.length_scale only
+        tensors[f'{layer}.attn.{name}'] = np.asarray(attn[name], np.float32)
     for proj, ab in lora.get(layer, {}).items():
       tensors[f'{layer}.attn.{proj}.lora_a'] = np.asarray(ab['a'], np.float32)
       tensors[f'{layer}.attn.{proj}.lora_b'] = np.asarray(ab['b'], np.float32)
@@ -180,8 +182,14 @@ def adapter_parts(path: str | os.PathLike, base_config: ModelConfig,
     layer = f'layers_{i}'
     attn = dict(params[layer]['attn'])
     for name in TRANSFER_PARAMS:
-      if name == 'window_logit':
-        attn[name] = jnp.asarray(tensors[f'{layer}.attn.{name}'])
+      if name == 'length_exponent' and not config.attention.length_scale:
+        continue
+      if name in ('window_logit', 'length_exponent'):
+        key = f'{layer}.attn.{name}'
+        if key not in tensors:
+          raise ValueError(f'{os.path.join(os.fspath(path), WEIGHTS)} has no '
+                           f'{key} (its config {where} asks for it)')
+        attn[name] = jnp.asarray(tensors[key])
       else:
         attn[name] = {'proj': jnp.asarray(tensors[f'{layer}.attn.{name}.proj'])}
     params[layer] = dict(params[layer], attn=attn)

@@ -22,7 +22,7 @@ from orthros_jax.model import Attention
 from orthros_jax.model import Transformer
 
 Array = jax.Array
-TRANSFER_PARAMS = ('phi_q', 'phi_k', 'window_logit')
+TRANSFER_PARAMS = ('phi_q', 'phi_k', 'window_logit', 'length_exponent')
 
 
 def is_transfer_param(path: tuple) -> bool:
