@@ -122,7 +122,7 @@ EXTRAS = ('dense_forward', 'orthros_sinks4')
 # checks they agree), sinks set per variant.
 RECIPE_ATTENTION = dict(kind='orthros', feature_map='hedgehog', feature_dim=64,
                         window=64, chunk_size=64, exact_tail=1,
-                        window_init=0.1, sinks=4)
+                        window_init=0.1, sinks=4, length_scale=False)
 _QUADRATIC = ('dense', 'dense_forward')
 _CSV_FIELDS = [
     'variant', 'length', 'status', 'ttft_s', 'ttft_min_s', 'ttft_max_s',

@@ -98,7 +98,9 @@ def far_mass(config, params, tokens: np.ndarray, lengths: np.ndarray,
     if isinstance(context.module, Attention) and (
         context.method_name == '_forward'):
       q, k = args[0], args[1]
-      extra = (context.module._orthros_inputs(q, k)  # pylint: disable=protected-access
+      b, t = q.shape[:2]
+      positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+      extra = (context.module._orthros_inputs(q, k, positions)  # pylint: disable=protected-access
                if config.is_orthros else None)
       captured[_layer(context.module)] = (q, k, extra)
     return next_fun(*args, **kwargs)
