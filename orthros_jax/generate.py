@@ -87,11 +87,12 @@ def prefill(config: ModelConfig, params, tokens: Array, lengths: Array,
 
 @functools.partial(jax.jit, static_argnames=('config',),
                    donate_argnames=('cache',))
-def decode(config: ModelConfig, params, tokens: Array,
-           cache: Cache) -> tuple[Array, Cache]:
-  """Exact attention of tokens [B, Tq] over the cache; logits [B, Tq, V]."""
+def decode(config: ModelConfig, params, tokens: Array, cache: Cache,
+           lengths: Array | None = None) -> tuple[Array, Cache]:
+  """Exact attention of tokens [B, Tq] over the cache; logits [B, Tq, V].
+  lengths: [B] tokens of each row to append (right-padded rows)."""
   return Transformer(config).apply({'params': params}, tokens, phase='decode',
-                                   cache=cache)
+                                   cache=cache, lengths=lengths)
 
 
 @functools.partial(
@@ -176,7 +177,8 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
     temperature, top_k, top_p: sampling; temperature 0 is greedy.
     eos_id: stop a sequence after it emits this token.
     exact_tail: prompt tokens decoded exactly (Orthros only); default
-      config.attention.exact_tail; capped at the shortest prompt.
+      config.attention.exact_tail; per prompt, capped at its own length
+      (a prompt's boundary never depends on the rest of the batch).
     partitioner: a sharding.Partitioner to run on its mesh (params placed
       with `partitioner.shard_params`): the cache is split by batch, kv
       heads and, with a 'sequence' axis, by position (max_len is rounded up
@@ -206,10 +208,11 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
   tail = 0
   if config.is_orthros:
     tail = config.attention.exact_tail if exact_tail is None else exact_tail
-    if tail < 0:
-      raise ValueError(f'exact_tail={tail} must be >= 0')
-    tail = min(tail, int(prompt_lengths.min()))
-  boundary = prompt_lengths - tail
+    if not isinstance(tail, (int, np.integer)) or tail < 0:
+      raise ValueError(f'exact_tail={tail!r} must be an int >= 0')
+  tails = np.minimum(tail, prompt_lengths).astype(np.int32)  # [B]
+  boundary = prompt_lengths - tails
+  width = int(tails.max())  # the tail decode's width; shorter tails padded
 
   context = contextlib.nullcontext()
   if partitioner is not None:
@@ -224,12 +227,14 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
   with context:
     logits, cache = prefill(config, params, jnp.asarray(tokens),
                             jnp.asarray(boundary), cache)
-    if tail:
-      idx = boundary[:, None] + np.arange(tail)[None, :]
+    if width:
+      idx = np.minimum(boundary[:, None] + np.arange(width)[None, :],
+                       tokens.shape[1] - 1)
       tail_tokens = np.take_along_axis(tokens, idx, axis=1)
       tail_logits, cache = decode(config, params, jnp.asarray(tail_tokens),
-                                  cache)
-      logits = tail_logits[:, -1]
+                                  cache, jnp.asarray(tails))
+      # tail > 0 gives every prompt (>= 1 token) a tail of at least 1.
+      logits = tail_logits[jnp.arange(b), jnp.asarray(tails - 1)]
     rng = jax.random.PRNGKey(0) if rng is None else rng
     out, _, cache = decode_loop(
         config, params, logits, cache, rng, max_new_tokens=max_new_tokens,

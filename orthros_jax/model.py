@@ -177,7 +177,7 @@ class Attention(nn.Module):
     elif phase == 'prefill':
       y, new_cache = self._prefill(q, k, v, cache, lengths)
     else:
-      y, new_cache = self._decode(q, k, v, cache)
+      y, new_cache = self._decode(q, k, v, cache, lengths)
     y = _constrain(y.astype(cfg.dtype), ('batch', 'length', 'heads',
                                          'head_dim'))
     return self.o_proj(y), new_cache
@@ -327,13 +327,16 @@ class Attention(nn.Module):
     return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths,
                             S=state.S, z=state.z)
 
-  def _decode(self, q, k, v, cache: cache_lib.LayerCache):
+  def _decode(self, q, k, v, cache: cache_lib.LayerCache, lengths):
     cfg = self.config
     b, t = q.shape[:2]
-    k_cache, v_cache = cache_lib.write_kv(cache, k, v,
-                                          jnp.ones((b, t), bool))
-    new_lengths = cache.lengths + t
-    y = self._decode_fn(t, b)(q, k_cache, v_cache, new_lengths)
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
+    k_cache, v_cache = cache_lib.write_kv(cache, k, v, valid)
+    new_lengths = cache.lengths + lengths
+    # Query i sits at cache.lengths + i: the attention places the last T of
+    # cache.lengths + T keys. Queries past an example's length are never
+    # read; its real queries see only written keys (causality).
+    y = self._decode_fn(t, b)(q, k_cache, v_cache, cache.lengths + t)
     new_cache = cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     if cfg.is_orthros:
       # Tokens at old_len - W + i leave the window; fold them into (S, z)
@@ -343,7 +346,7 @@ class Attention(nn.Module):
       fk, fv = cache_lib.gather_kv(k_cache, v_cache, pos)
       state = attn_lib.fold_into_state(
           attn_lib.LinearState(cache.S, cache.z), self.key_features(fk), fv,
-          pos >= cfg.attention.sinks)
+          (pos >= cfg.attention.sinks) & valid)
       new_cache = new_cache.replace(S=state.S, z=state.z)
     return y, new_cache
 
@@ -369,7 +372,8 @@ class Transformer(nn.Module):
   tokens: [B, T] int32.
   phase: 'forward' | 'prefill' | 'decode' (static).
   cache: from `init_cache`; required for prefill and decode.
-  lengths: [B] valid tokens of a right-padded prefill batch (default T).
+  lengths: [B] valid tokens of a right-padded prefill or decode batch
+    (default T); decode logits past an example's length are not meaningful.
   split: [B] or scalar, forward only: first position computed exactly.
   all_logits: prefill returns [B, T, V] instead of the last valid token's
     [B, V]. forward returns [B, T, V]; decode returns [B, T_q, V].
@@ -497,8 +501,9 @@ def _check_call(cfg, tokens, phase, cache, lengths, split,
       if np.any(arr < 0) or np.any(arr > t):
         raise ValueError(f'split must lie in [0, T={t}] (0 = all exact, T = '
                          f'all prefill formula); got {arr.tolist()}')
-  if lengths is not None and phase != 'prefill':
-    raise ValueError("lengths is only used by phase='prefill'")
+  if lengths is not None and phase == 'forward':
+    raise ValueError("lengths is used by phase='prefill' and 'decode' (a "
+                     "forward pass takes every position: use split)")
   if _is_concrete(lengths):
     lengths_arr = np.asarray(lengths)
     if lengths_arr.shape != (b,) or np.any(lengths_arr < 0) or np.any(

@@ -84,6 +84,20 @@ def test_hf_tokenizer_errors(tmp_path, hf_tokenizer_file):
     data.get_tokenizer(str(missing))
   with pytest.raises(ValueError, match='eos_token'):
     data.HFTokenizer(str(hf_tokenizer_file), eos_token='<not-a-token>')
+  # Corrupt files reach the user as errors naming the file.
+  broken = tmp_path / 'broken'
+  broken.mkdir()
+  (broken / 'tokenizer.json').write_text('{"version": "1.0", "mod')
+  with pytest.raises(ValueError, match=re.escape(str(broken / 'tokenizer.json'))
+                     + ' is not a readable tokenizer.json'):
+    data.HFTokenizer(str(broken / 'tokenizer.json'))
+  cfg_dir = tmp_path / 'cfg'
+  cfg_dir.mkdir()
+  (cfg_dir / 'tokenizer.json').write_bytes(hf_tokenizer_file.read_bytes())
+  (cfg_dir / 'tokenizer_config.json').write_text('{"eos_token": ')
+  with pytest.raises(ValueError, match=re.escape(
+      str(cfg_dir / 'tokenizer_config.json')) + ' is not valid JSON'):
+    data.HFTokenizer(str(cfg_dir / 'tokenizer.json'))
 
 
 def test_hf_tokenizer_in_pipeline(hf_tokenizer_file):

@@ -63,6 +63,54 @@ def test_ragged_batch_equals_single_prompts():
     np.testing.assert_array_equal(batch.tokens[b], one.tokens[0])
 
 
+def test_exact_tail_is_per_prompt():
+  """A tail longer than the shortest prompt is capped per prompt (6 -> 6
+  exact, 11 -> 8, 17 -> 8), not at the batch's shortest: each prompt's
+  boundary and tokens are those it gets alone and those of the forward
+  loop with the same split."""
+  config = make_config(window=4, chunk=4).replace(attention={'exact_tail': 8})
+  params = init_params(config)
+  out = oj.generate(config, params, PROMPTS, max_new_tokens=5, max_len=40)
+  np.testing.assert_array_equal(out.boundary, [3, 0, 9])
+  for b, prompt in enumerate(PROMPTS):
+    one = oj.generate(config, params, [prompt], max_new_tokens=5, max_len=40)
+    assert one.boundary[0] == out.boundary[b]
+    np.testing.assert_array_equal(out.tokens[b], one.tokens[0])
+    ref = reference_greedy(config, params, prompt, 5, min(8, len(prompt)))
+    assert out.tokens[b].tolist() == ref
+    assert int(out.cache[0].lengths[b]) == len(prompt) + 4
+
+
+def test_ragged_decode_equals_separate_calls():
+  """phase='decode' with lengths appends each row's first lengths[b]
+  tokens: logits and cache equal decoding each row alone."""
+  config = make_config(window=4, chunk=4)
+  params = init_params(config)
+  model = Transformer(config)
+  prompt = np.asarray([PROMPTS[0][:9], PROMPTS[2][:9]], np.int32)
+  more = np.asarray([[4, 9, 13, 2], [7, 1, 0, 0]], np.int32)
+  lengths = np.asarray([4, 2], np.int32)
+  cache = oj.init_cache(config, 2, 24)
+  _, cache = model.apply({'params': params}, prompt, phase='prefill',
+                         cache=cache)
+  logits, got = model.apply({'params': params}, more, phase='decode',
+                            cache=cache, lengths=lengths)
+  for b in range(2):
+    one = oj.init_cache(config, 1, 24)
+    _, one = model.apply({'params': params}, prompt[b:b + 1], phase='prefill',
+                         cache=one)
+    want, one = model.apply({'params': params}, more[b:b + 1, :lengths[b]],
+                            phase='decode', cache=one)
+    np.testing.assert_allclose(logits[b, :lengths[b]], want[0], rtol=1e-5,
+                               atol=1e-5)
+    for layer, ref in zip(got, one):
+      n = int(ref.lengths[0])
+      assert int(layer.lengths[b]) == n
+      np.testing.assert_allclose(layer.k[b, :n], ref.k[0, :n], atol=1e-6)
+      np.testing.assert_allclose(layer.S[b], ref.S[0], rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(layer.z[b], ref.z[0], rtol=1e-5, atol=1e-6)
+
+
 def test_padded_array_input_with_lengths():
   config = make_config(window=4, chunk=4)
   params = init_params(config)

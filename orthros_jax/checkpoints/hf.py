@@ -71,14 +71,15 @@ def load_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     raise FileNotFoundError(
         f'{CONFIG_FILE} is missing from HF checkpoint directory {str(path)!r}: '
         'the directory must hold the config.json written by save_pretrained.')
-  return _read_json(config_file)
+  return read_json(config_file)
 
 
-def _read_json(file: pathlib.Path) -> Any:
+def read_json(file: str | os.PathLike) -> Any:
   """A JSON file's content; a file that does not parse is a ValueError
-  naming it."""
+  naming it (every JSON file a checkpoint, adapter or tokenizer directory
+  holds is read through here)."""
   try:
-    with open(file) as f:
+    with open(file, encoding='utf-8') as f:
       return json.load(f)
   except (ValueError, UnicodeDecodeError) as e:
     raise ValueError(f'{file} is not valid JSON ({e}); re-export or copy the '
@@ -311,7 +312,7 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
   """Tensor name -> the safetensors file holding it."""
   single, index = path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE
   if index.is_file():
-    index_json = _read_json(index)
+    index_json = read_json(index)
     weight_map = (index_json.get('weight_map')
                   if isinstance(index_json, dict) else None)
     if not isinstance(weight_map, dict):

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from orthros_jax.checkpoints.hf import read_json
 from orthros_jax.config import ModelConfig
 from orthros_jax.conversion.lora import DEFAULT_TARGETS
 from orthros_jax.conversion.lora import merge_lora
@@ -313,8 +314,7 @@ def export_from_conversion(workdir: str | os.PathLike,
   if not os.path.isfile(config_file):
     raise FileNotFoundError(f'{config_file} is missing: pass a convert.py '
                             'workdir')
-  with open(config_file) as f:
-    cfg = json.load(f)
+  cfg = read_json(config_file)
   stage_dir = os.path.join(workdir, stage)
   params, model_cfg, step = ckpt_lib.load_params(stage_dir)
   del model_cfg

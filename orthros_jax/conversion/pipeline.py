@@ -54,6 +54,7 @@ import tqdm
 
 from orthros_jax import sharding
 from orthros_jax.checkpoints.hf import load_hf
+from orthros_jax.checkpoints.hf import read_json
 from orthros_jax.config import AttentionConfig
 from orthros_jax.config import ModelConfig
 from orthros_jax.conversion import adapter as adapter_lib
@@ -123,8 +124,7 @@ def _train_tokens(workdir: str, step: int) -> int | None:
   path = os.path.join(workdir, 'config.json')
   if not os.path.isfile(path):
     return None
-  with open(path) as f:
-    cfg = json.load(f)
+  cfg = read_json(path)
   try:
     return int(step) * int(cfg['data']['batch_size']) * int(
         cfg['data']['seq_len'])

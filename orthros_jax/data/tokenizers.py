@@ -11,9 +11,10 @@ Face vocabulary where 0 is a real token the padding is still inert.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Protocol, Sequence
+
+from orthros_jax.checkpoints.hf import read_json
 
 
 class Tokenizer(Protocol):
@@ -65,8 +66,7 @@ def _chat_template(directory: str) -> str | None:
   """The Jinja chat template of tokenizer_config.json (or chat_template.jinja)."""
   path = os.path.join(directory, 'tokenizer_config.json')
   if os.path.isfile(path):
-    with open(path, encoding='utf-8') as f:
-      template = json.load(f).get('chat_template')
+    template = read_json(path).get('chat_template')
     if isinstance(template, str):
       return template
   path = os.path.join(directory, 'chat_template.jinja')
@@ -83,8 +83,7 @@ def _special_from_config(directory: str) -> dict[str, str]:
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
       continue
-    with open(path, encoding='utf-8') as f:
-      cfg = json.load(f)
+    cfg = read_json(path)
     for key in ('bos_token', 'eos_token'):
       value = cfg.get(key)
       if isinstance(value, dict):  # {"content": "<s>", ...}
@@ -116,7 +115,11 @@ class HFTokenizer:
           f'tokenizer file not found: {file!r}. Pass a local tokenizer.json (or a directory '
           "holding one), or tokenizer='byte' for the built-in byte-level tokenizer.")
     self.path = file
-    self._tok = tokenizers.Tokenizer.from_file(file)
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(file)
+    except Exception as e:  # the tokenizers library's own error types
+      raise ValueError(f'{file} is not a readable tokenizer.json ({e})'
+                       ) from e
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     config = _special_from_config(os.path.dirname(file))
     self.bos_id = self._lookup('bos_token', bos_token or config.get('bos_token'), _BOS_CANDIDATES)
