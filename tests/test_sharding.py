@@ -305,6 +305,12 @@ def test_context_parallel_decode_function(n):
   y = jax.jit(lambda *a: context_parallel.decode(
       *a, mesh=mesh, seq_axis='sequence'))(q, kc, vc, lengths)
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+  # NaN in the slots past each cache's length changes nothing.
+  past = np.arange(s)[None, :] >= np.asarray(lengths)[:, None]
+  vc_nan = jnp.where(past[:, :, None, None], jnp.nan, vc)
+  y_nan = jax.jit(lambda *a: context_parallel.decode(
+      *a, mesh=mesh, seq_axis='sequence'))(q, kc, vc_nan, lengths)
+  np.testing.assert_allclose(y_nan, ref, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match='not divisible'):
     context_parallel.decode(q, kc[:, :45], vc[:, :45], lengths, mesh=mesh,
                             seq_axis='sequence')

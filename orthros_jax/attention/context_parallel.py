@@ -218,8 +218,11 @@ def _decode_shard(q, k, v, lengths, *, seq_axis, shard_len):
   m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
   p = jnp.exp(scores - m_all[..., None])                            # 0 if masked
   l = jax.lax.psum(jnp.sum(p, axis=-1), seq_axis)
-  o = jax.lax.psum(jnp.einsum('bkgts,bskd->btkgd', p,
-                              v.astype(jnp.float32)), seq_axis)
+  # Values past the cache length are zeroed as in every other path: a
+  # masked weight is 0, but 0 * NaN (a stale or uninitialised slot) is NaN.
+  written = key_pos[None, :] < lengths[:, None]                     # [B, S]
+  v = jnp.where(written[:, :, None, None], v.astype(jnp.float32), 0.0)
+  o = jax.lax.psum(jnp.einsum('bkgts,bskd->btkgd', p, v), seq_axis)
   l = jnp.moveaxis(l, -1, 1)[..., None]                             # [B,Tq,K,G,1]
   y = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
   return y.reshape(b, tq, h, d).astype(q.dtype)
