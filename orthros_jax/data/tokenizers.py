@@ -130,6 +130,8 @@ class HFTokenizer:
           'this vocabulary> (documents are separated and answers terminated by it).')
     self.chat_template = _chat_template(os.path.dirname(file))
     self._special = config
+    # The end-of-sequence token's own text (decode drops special tokens).
+    self.eos_token = self._tok.id_to_token(self.eos_id)
 
   def _lookup(self, field: str, token: str | None, candidates: Sequence[str]) -> int | None:
     if token is not None:

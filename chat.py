@@ -1,0 +1,106 @@
+"""Chat with a model in the terminal: streamed replies, time to first token
+per turn, every turn a continued prefill onto the conversation's cache
+(orthros_jax/chat.py).
+
+  make smollm2                          # the teacher, offline
+  python chat.py --teacher=results/smollm2/hf \
+      --adapter=assets/smollm2_orthros --attention=orthros
+  python chat.py --teacher=results/smollm2/hf --attention=dense
+
+--attention=dense is the teacher as loaded; orthros applies --adapter (the
+converted model). Type a message and Enter; an empty line or Ctrl-D ends.
+--prompt (repeatable) runs those turns and exits instead of reading stdin.
+--verbosity=0 shows the libraries' INFO lines (orthros_jax/console.py).
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+
+from orthros_jax import console
+
+_TEACHER = flags.DEFINE_string('teacher', None, 'The dense model: a local '
+                               'Hugging Face directory (make smollm2) or a '
+                               'train.py checkpoint.')
+_ADAPTER = flags.DEFINE_string('adapter', None, 'Orthros adapter directory '
+                               '(convert.py), for --attention=orthros.')
+_ATTENTION = flags.DEFINE_enum('attention', 'orthros', ['dense', 'orthros'],
+                               'dense: the teacher as loaded; orthros: the '
+                               'adapter applied to it.')
+_TOKENIZER = flags.DEFINE_string('tokenizer', None, 'tokenizer.json or its '
+                                 'directory (default: --teacher).')
+_PROMPT = flags.DEFINE_multi_string('prompt', [], 'User turns to run in '
+                                    'order instead of reading stdin.')
+_SYSTEM = flags.DEFINE_string('system', None, 'A system message.')
+_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 256, 'Reply budget per '
+                                'turn.')
+_MAX_LEN = flags.DEFINE_integer('max_len', 4096, 'Cache size (tokens of the '
+                                'whole conversation).')
+_EXACT_TAIL = flags.DEFINE_integer('exact_tail', -1, 'Orthros: prompt tokens '
+                                   'of each turn decoded exactly; -1 = as '
+                                   'converted.')
+_TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
+_TOP_P = flags.DEFINE_float('top_p', None, 'Nucleus sampling.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+flags.mark_flags_as_required(['teacher'])
+
+
+def load(teacher: str, adapter: str | None, attention: str,
+         exact_tail: int = -1):
+  """(config, params, description) of the chat model."""
+  from orthros_jax.conversion import adapter as adapter_lib  # pylint: disable=g-import-not-at-top
+  from orthros_jax.evaluation.suite import load_dense  # pylint: disable=g-import-not-at-top
+  config, params, where = load_dense(teacher)
+  if attention == 'dense':
+    return config, params, f'{where}: the teacher, dense attention'
+  if not adapter:
+    raise app.UsageError('--attention=orthros needs --adapter (an Orthros '
+                         'adapter directory made by convert.py)')
+  config, params = adapter_lib.apply_adapter(adapter, config, params)
+  if exact_tail >= 0:
+    config = config.replace(attention={'exact_tail': exact_tail})
+  a = config.attention
+  return config, params, (
+      f'{adapter} on {teacher}: Orthros W={a.window}, sinks {a.sinks}, '
+      f'exact tail {a.exact_tail}')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  console.quiet_logging()
+  from orthros_jax.chat import ChatSession  # pylint: disable=g-import-not-at-top
+  from orthros_jax.data import get_tokenizer  # pylint: disable=g-import-not-at-top
+  config, params, desc = load(_TEACHER.value, _ADAPTER.value,
+                              _ATTENTION.value, _EXACT_TAIL.value)
+  tokenizer = get_tokenizer(_TOKENIZER.value or _TEACHER.value)
+  session = ChatSession(config, params, tokenizer, max_len=_MAX_LEN.value,
+                        system=_SYSTEM.value,
+                        temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
+                        seed=_SEED.value)
+  print(f'[{desc}]', flush=True)
+  turns = iter(_PROMPT.value) if _PROMPT.value else None
+  while True:
+    if turns is not None:
+      text = next(turns, None)
+      if text is not None:
+        print(f'> {text}', flush=True)
+    else:
+      try:
+        text = input('> ')
+      except EOFError:
+        text = None
+    if not text:
+      break
+    reply = session.send(text, max_new_tokens=_MAX_NEW.value,
+                         on_token=lambda s: print(s, end='', flush=True))
+    print(f'\n[TTFT {reply.ttft_s:.2f} s for {reply.prompt_tokens} new '
+          f'prompt tokens ({session.cached} cached), '
+          f'{reply.decode_tokens_per_s:.1f} tokens/s, {len(reply.ids)} '
+          f'tokens, stop: {reply.stopped}]', flush=True)
+  sys.stdout.flush()
+
+
+if __name__ == '__main__':
+  app.run(main)
