@@ -6,9 +6,12 @@ per turn, every turn a continued prefill onto the conversation's cache
   python chat.py --teacher=results/smollm2/hf \
       --adapter=assets/smollm2_orthros --attention=orthros
   python chat.py --teacher=results/smollm2/hf --attention=dense
+  python chat.py --model=results/smollm2_orthros_model   # an exported model
 
 --attention=dense is the teacher as loaded; orthros applies --adapter (the
-converted model). Type a message and Enter; an empty line or Ctrl-D ends.
+converted model); --model is a directory written by
+`python -m orthros_jax.checkpoints.export` (its own attention, tokenizer
+files beside it). Type a message and Enter; an empty line or Ctrl-D ends.
 --prompt (repeatable) runs those turns and exits instead of reading stdin.
 --verbosity=0 shows the libraries' INFO lines (orthros_jax/console.py).
 """
@@ -20,6 +23,9 @@ from absl import flags
 
 from orthros_jax import console
 
+_MODEL = flags.DEFINE_string('model', None, 'An exported model directory '
+                             '(orthros_jax/checkpoints/export.py), instead '
+                             'of --teacher / --adapter.')
 _TEACHER = flags.DEFINE_string('teacher', None, 'The dense model: a local '
                                'Hugging Face directory (make smollm2) or a '
                                'train.py checkpoint.')
@@ -43,7 +49,6 @@ _EXACT_TAIL = flags.DEFINE_integer('exact_tail', -1, 'Orthros: prompt tokens '
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
 _TOP_P = flags.DEFINE_float('top_p', None, 'Nucleus sampling.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
-flags.mark_flags_as_required(['teacher'])
 
 
 def load(teacher: str, adapter: str | None, attention: str,
@@ -72,9 +77,19 @@ def main(argv):
   console.quiet_logging()
   from orthros_jax.chat import ChatSession  # pylint: disable=g-import-not-at-top
   from orthros_jax.data import get_tokenizer  # pylint: disable=g-import-not-at-top
-  config, params, desc = load(_TEACHER.value, _ADAPTER.value,
-                              _ATTENTION.value, _EXACT_TAIL.value)
-  tokenizer = get_tokenizer(_TOKENIZER.value or _TEACHER.value)
+  if bool(_MODEL.value) == bool(_TEACHER.value):
+    raise app.UsageError('give --model (an exported model) or --teacher '
+                         '(with --adapter for Orthros)')
+  if _MODEL.value:
+    from orthros_jax.checkpoints.export import load_model  # pylint: disable=g-import-not-at-top
+    config, params = load_model(_MODEL.value)
+    if _EXACT_TAIL.value >= 0 and config.is_orthros:
+      config = config.replace(attention={'exact_tail': _EXACT_TAIL.value})
+    desc = f'{_MODEL.value}: {config.attention.kind} attention'
+  else:
+    config, params, desc = load(_TEACHER.value, _ADAPTER.value,
+                                _ATTENTION.value, _EXACT_TAIL.value)
+  tokenizer = get_tokenizer(_TOKENIZER.value or _MODEL.value or _TEACHER.value)
   session = ChatSession(config, params, tokenizer, max_len=_MAX_LEN.value,
                         system=_SYSTEM.value,
                         temperature=_TEMPERATURE.value, top_p=_TOP_P.value,

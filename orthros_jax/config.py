@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 import jax.numpy as jnp
 
@@ -212,3 +212,34 @@ class ModelConfig:
 
 def inverse_sigmoid(p: float) -> float:
   return math.log(p / (1.0 - p))
+
+
+# ------------------------------------------------- configs from mappings
+
+
+def plain(x: Any) -> Any:
+  """ConfigDicts (and FrozenConfigDicts) to plain dicts, recursively."""
+  if hasattr(x, 'to_dict'):
+    x = x.to_dict()
+  if isinstance(x, Mapping):
+    return {k: plain(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [plain(v) for v in x]
+  return x
+
+
+def model_config_from(cfg: Mapping[str, Any]) -> ModelConfig:
+  """ModelConfig from a mapping with a nested 'attention' (and optional
+  'rope_scaling') mapping; unknown keys raise a ValueError naming them."""
+  cfg = dict(plain(cfg))
+  attention = dict(cfg.pop('attention', {}) or {})
+  rope = cfg.pop('rope_scaling', None)
+  for name, fields, given in (
+      ('model', ModelConfig.__dataclass_fields__, cfg),
+      ('model.attention', AttentionConfig.__dataclass_fields__, attention)):
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+      raise ValueError(f'{name} has unknown keys {unknown}; valid keys: '
+                       f'{sorted(fields)}')
+  return ModelConfig(**cfg, attention=AttentionConfig(**attention),
+                     rope_scaling=RopeScaling(**rope) if rope else None)

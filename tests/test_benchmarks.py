@@ -15,7 +15,7 @@ from orthros_jax.attention import softmax
 from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.conversion import pipeline
 from orthros_jax.training import checkpoint as ckpt_lib
-from orthros_jax.training.train_lm import model_config_from
+from orthros_jax.config import model_config_from
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEACHER = os.path.join(ROOT, 'assets', 'tiny_teacher')

@@ -162,6 +162,18 @@ def test_chat_command_two_turns(tmp_path):
        '--attention=orthros', '--prompt=hi'], capture_output=True, text=True,
       check=False, timeout=600)
   assert bad.returncode != 0 and '--adapter' in bad.stderr
+  # An exported model directory (weights, config, tokenizer files) chats
+  # the same: greedy, the same first reply.
+  from orthros_jax.checkpoints import export  # pylint: disable=g-import-not-at-top
+  export.main([str(tmp_path / 'exported'), f'--teacher={tmp_path}'])
+  assert (tmp_path / 'exported' / 'tokenizer_config.json').is_file()
+  again = subprocess.run(
+      [sys.executable, 'chat.py', f'--model={tmp_path / "exported"}',
+       '--prompt=hello', '--max_new_tokens=4', '--max_len=128'],
+      capture_output=True, text=True, check=False, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  first_reply = lambda text: text.split('> hello\n')[1].split('\n[TTFT')[0]
+  assert first_reply(again.stdout) == first_reply(out.stdout)
 
 
 def test_bucket_widths():

@@ -26,7 +26,7 @@ from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import suite
 from orthros_jax.model import Transformer
 from orthros_jax.training import checkpoint as ckpt_lib
-from orthros_jax.training.train_lm import model_config_from
+from orthros_jax.config import model_config_from
 from orthros_jax.training.train_lm import train_and_evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

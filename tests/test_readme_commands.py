@@ -138,7 +138,7 @@ def _entry_checks(script: str, config) -> None:
   """What the entry point checks before loading a model or data."""
   if script == 'train.py':
     from orthros_jax.training import loop
-    from orthros_jax.training.train_lm import model_config_from
+    from orthros_jax.config import model_config_from
     model_config_from(config.model)
     loop.TrainConfig.from_mapping(config.train.to_dict())
   elif script == 'convert.py':

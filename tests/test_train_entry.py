@@ -12,7 +12,7 @@ import pytest
 
 from configs import tiny
 from orthros_jax.training import train_lm
-from orthros_jax.training.train_lm import model_config_from
+from orthros_jax.config import model_config_from
 from orthros_jax.training.train_lm import train_and_evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,17 +30,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from orthros_jax.checkpoints.export import read_tensor_dir
+from orthros_jax.checkpoints.export import write_tensor_dir
 from orthros_jax.checkpoints.hf import read_json
 from orthros_jax.config import ModelConfig
+from orthros_jax.config import model_config_from
 from orthros_jax.conversion.lora import DEFAULT_TARGETS
 from orthros_jax.conversion.lora import merge_lora
 from orthros_jax.conversion.transfer import TRANSFER_PARAMS
@@ -78,8 +78,6 @@ def write_adapter(out_dir: str | os.PathLike, config: ModelConfig,
   weights + feature maps + window weights); lora: {layer: {proj: {a, b}}}
   ({} for an adapter of feature maps and windows only: after stage 1).
   """
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-
   if not config.is_orthros:
     raise ValueError('write_adapter needs the converted Orthros config')
   tensors = {}
@@ -104,50 +102,14 @@ def write_adapter(out_dir: str | os.PathLike, config: ModelConfig,
           'lora_rank': ranks.pop() if ranks else 0,
           'base': base_fingerprint(config, base_params),
           'provenance': provenance or {}}
-  out_dir = os.path.abspath(os.fspath(out_dir))
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix='.adapter-', dir=parent)
-  os.chmod(tmp, 0o755)
-  try:
-    save_file(tensors, os.path.join(tmp, WEIGHTS))
-    with open(os.path.join(tmp, CONFIG), 'w') as f:
-      json.dump(meta, f, indent=1)
-    if os.path.isdir(out_dir):
-      shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return out_dir
+  return write_tensor_dir(out_dir, tensors, WEIGHTS, CONFIG, meta)
 
 
 def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, Any]]:
-  """(meta, tensors) of an adapter directory; clear errors naming files."""
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
-
-  path = os.fspath(path)
-  config_file, weights_file = (os.path.join(path, CONFIG),
-                               os.path.join(path, WEIGHTS))
-  for f in (config_file, weights_file):
-    if not os.path.isfile(f):
-      raise FileNotFoundError(f'adapter file {f} is missing: an adapter '
-                              f'directory holds {CONFIG} and {WEIGHTS}')
-  try:
-    with open(config_file) as f:
-      meta = json.load(f)
-    for key in ('model_config', 'lora_alpha', 'base'):
-      if key not in meta:
-        raise KeyError(key)
-  except (ValueError, KeyError, TypeError) as e:
-    raise ValueError(f'{config_file} is not a valid adapter config: {e!r}'
-                     ) from e
-  try:
-    tensors = load_file(weights_file)
-  except Exception as e:  # safetensors raises its own error types
-    raise ValueError(f'{weights_file} is not a readable safetensors file: '
-                     f'{e}') from e
-  return meta, tensors
+  """(meta, tensors) of an adapter directory; clear errors naming files
+  (the reader of exported models, orthros_jax/checkpoints/export.py)."""
+  return read_tensor_dir(path, WEIGHTS, CONFIG,
+                         ('model_config', 'lora_alpha', 'base'))
 
 
 def apply_adapter(path: str | os.PathLike, base_config: ModelConfig,
@@ -163,7 +125,6 @@ def adapter_parts(path: str | os.PathLike, base_config: ModelConfig,
   base: the base weights with the adapter's feature maps and window
   weights, and its LoRA factors {layer: {proj: {'a', 'b'}}} ({} for a
   stage-1 adapter), unmerged so that training can continue them."""
-  from orthros_jax.training.train_lm import model_config_from  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   meta, tensors = read_adapter(path)

@@ -71,9 +71,9 @@ from orthros_jax.model import init_orthros_params
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.training import loop
 from orthros_jax.training import step as step_lib
-from orthros_jax.training.train_lm import _plain
 from orthros_jax.training.train_lm import make_data
-from orthros_jax.training.train_lm import model_config_from
+from orthros_jax.config import model_config_from
+from orthros_jax.config import plain as _plain
 
 _STAGE_KEYS = {'tokens'} | {f for f in loop.TrainConfig.__dataclass_fields__
                             if f not in ('num_steps', 'trainable')}

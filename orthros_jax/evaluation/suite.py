@@ -46,8 +46,8 @@ from orthros_jax.evaluation import speed as speed_lib
 from orthros_jax.evaluation import variants
 from orthros_jax.checkpoints import hf as hf_lib
 from orthros_jax.training import checkpoint as ckpt_lib
-from orthros_jax.training.train_lm import _plain
-from orthros_jax.training.train_lm import model_config_from
+from orthros_jax.config import model_config_from
+from orthros_jax.config import plain as _plain
 
 MODELS = variants.ROWS
 

@@ -252,7 +252,7 @@ def load_params(path: str | os.PathLike, step: int | None = None
 
   path: a run's workdir (holding checkpoints/) or its checkpoints directory;
   step: the latest when None. The model config is the JSON saved beside the
-  state (build a ModelConfig with train_lm.model_config_from).
+  state (build a ModelConfig with config.model_config_from).
   Raises FileNotFoundError when there is no such checkpoint and ValueError
   when the checkpoint holds no params or no model config.
   """

@@ -27,43 +27,14 @@ import jax
 import jax.numpy as jnp
 
 from orthros_jax import sharding
-from orthros_jax.config import AttentionConfig
-from orthros_jax.config import ModelConfig
-from orthros_jax.config import RopeScaling
+from orthros_jax.config import model_config_from
+from orthros_jax.config import plain as _plain
 from orthros_jax.data import get_tokenizer
 from orthros_jax.data import make_dataset
 from orthros_jax.model import Transformer
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.training import loop
 from orthros_jax.training import step as step_lib
-
-
-def _plain(x: Any) -> Any:
-  """ConfigDicts (and FrozenConfigDicts) to plain dicts, recursively."""
-  if hasattr(x, 'to_dict'):
-    x = x.to_dict()
-  if isinstance(x, Mapping):
-    return {k: _plain(v) for k, v in x.items()}
-  if isinstance(x, list):
-    return [_plain(v) for v in x]
-  return x
-
-
-def model_config_from(cfg: Mapping[str, Any]) -> ModelConfig:
-  """ModelConfig from a mapping with a nested 'attention' (and optional
-  'rope_scaling') mapping; unknown keys raise a ValueError naming them."""
-  cfg = dict(_plain(cfg))
-  attention = dict(cfg.pop('attention', {}) or {})
-  rope = cfg.pop('rope_scaling', None)
-  for name, fields, given in (
-      ('model', ModelConfig.__dataclass_fields__, cfg),
-      ('model.attention', AttentionConfig.__dataclass_fields__, attention)):
-    unknown = sorted(set(given) - set(fields))
-    if unknown:
-      raise ValueError(f'{name} has unknown keys {unknown}; valid keys: '
-                       f'{sorted(fields)}')
-  return ModelConfig(**cfg, attention=AttentionConfig(**attention),
-                     rope_scaling=RopeScaling(**rope) if rope else None)
 
 
 def make_data(data_cfg: Mapping[str, Any], vocab_size: int):
