@@ -81,8 +81,6 @@ _STAGE1_KEYS = _STAGE_KEYS | {'from_adapter'}
 _STAGE2_KEYS = _STAGE_KEYS | {'lora_rank', 'lora_alpha', 'kl_weight',
                               'hidden_weight',
                               'lora_targets', 'from_adapter'}
-# The three models of every report: name -> (which params, attention, mode).
-MODELS = ('teacher', 'orthros', 'linear')
 
 
 # ----------------------------------------------------------------- teacher

@@ -24,7 +24,6 @@ import numpy as np
 from orthros_jax.cache import init_cache
 from orthros_jax.config import ModelConfig
 from orthros_jax.evaluation import tasks as tasks_lib
-from orthros_jax.evaluation.inference import wilson_interval
 from orthros_jax.generate import generate
 from orthros_jax.generate import pad_prompts
 from orthros_jax.model import Transformer
@@ -125,12 +124,10 @@ def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
           samples.append({'answers': list(e.answers), 'output': text})
       if progress:
         progress(len(chunk))
-    full = sum(s >= 1.0 for s in scores)
-    lo, hi = wilson_interval(round(sum(scores)), len(scores))
-    out[name] = {'accuracy': float(np.mean(scores)),
-                 'exact': full / len(scores), 'n': len(scores),
-                 'scores': [float(x) for x in scores],
-                 'ci95': [lo, hi],
-                 'exact_ci95': list(wilson_interval(full, len(scores))),
+    agg = tasks_lib.accuracy(scores)
+    out[name] = {'accuracy': agg['mean'], 'exact': agg['all_correct'],
+                 'n': agg['n'], 'scores': [float(x) for x in scores],
+                 'ci95': list(agg['ci95']),
+                 'exact_ci95': list(agg['all_correct_ci95']),
                  'samples': samples}
   return out

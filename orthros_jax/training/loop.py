@@ -158,7 +158,8 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
     abstract = jax.eval_shape(init)
     shardings = partitioner.state_shardings(
         abstract, partitioner.model_param_shardings(model_config))
-    init = _jit_with_mesh(init, partitioner, shardings)
+    # The out_shardings place the state on the mesh (no rules needed).
+    init = jax.jit(init, out_shardings=shardings)
   state, restored = ckpt_lib.restore_or_init(
       manager, init, data_iterator, shardings)
   start = restored or 0
@@ -214,11 +215,6 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
     writer.close()
     manager.close()
   return state, history
-
-
-def _jit_with_mesh(init, partitioner, shardings):
-  del partitioner  # the out_shardings place the state; no rules needed
-  return jax.jit(init, out_shardings=shardings)
 
 
 def _log(writer, bar, step: int, window: list[dict]) -> None:
