@@ -60,6 +60,10 @@ def _partial(q, k, v, qpos, key_pos, key_pos_col, same_head=None, *, scale):
   m [R, 1], l [R, 1]) in float32.
   """
   f32 = jnp.float32
+  # bf16 / f16 inputs stay in their dtype for the dots (tensor-core / MXU
+  # rate) with float32 accumulation; float32 inputs keep the float32 path.
+  dt = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+  q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
   seen = key_pos <= qpos  # causal over the cache; qpos < lengths
   if same_head is not None:
     seen = seen & same_head
@@ -72,8 +76,9 @@ def _partial(q, k, v, qpos, key_pos, key_pos_col, same_head=None, *, scale):
   l = jnp.sum(p, axis=1, keepdims=True)
   # Keys no query sees may be garbage (a partial last block reads past the
   # cache end, possibly NaN): zero them before p @ v, as 0 * NaN is NaN.
-  v = jnp.where(key_pos_col <= jnp.max(qpos), v, 0.0)
-  o = jnp.dot(p, v, preferred_element_type=f32)
+  v = jnp.where(key_pos_col <= jnp.max(qpos), v, jnp.zeros((), dt))
+  # p in [0, 1] rounded to the input dtype, as flash attention does.
+  o = jnp.dot(p.astype(dt), v, preferred_element_type=f32)
   o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
   return o, m, l
 
@@ -104,9 +109,7 @@ def _tpu_call(lengths, q, qpos, k_cache, v_cache, *, split, scale, interpret):
     @pl.when(start < len_ref[pl.program_id(0)])
     def _():
       same = qh_ref[...] == kh_ref[...]
-      o, mx, l = _partial(q_ref[...].astype(jnp.float32),
-                          k_ref[...].astype(jnp.float32),
-                          v_ref[...].astype(jnp.float32), pos_ref[...],
+      o, mx, l = _partial(q_ref[...], k_ref[...], v_ref[...], pos_ref[...],
                           start + ko_ref[...], start + koc_ref[...], same,
                           scale=scale)
       o_ref[...], m_ref[...], l_ref[...] = o, mx, l
@@ -164,9 +167,8 @@ def _gpu_call(lengths, q, qpos, k_cache, v_cache, *, split, scale, interpret):
       # The last split may extend past the cache: Triton does not bound
       # block loads, so mask them (no read outside the buffer).
       inside = jnp.broadcast_to(key_col < s, (split, d))
-      load = lambda ref: pltr.load(ref, mask=inside, other=0.0).astype(
-          jnp.float32)
-      o, mx, l = _partial(q_ref[...].astype(jnp.float32), load(k_ref),
+      load = lambda ref: pltr.load(ref, mask=inside, other=0.0)
+      o, mx, l = _partial(q_ref[...], load(k_ref),
                           load(v_ref), pos_ref[...], key_pos, key_col,
                           scale=scale)
       o_ref[...], m_ref[...], l_ref[...] = o, mx, l

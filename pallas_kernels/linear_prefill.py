@@ -68,6 +68,11 @@ def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
   passed separately because Triton cannot slice values).
   Returns y [C, D] and the state after folding the block's oldest chunk."""
   f32 = jnp.float32
+  # bf16 / f16 q, k, v stay in their dtype for the dots (tensor-core / MXU
+  # rate) with float32 accumulation; feature maps, the state (S, z) and the
+  # softmax statistics stay float32; float32 inputs keep the float32 path.
+  dt = jnp.promote_types(jnp.promote_types(q.dtype, kb.dtype), vb.dtype)
+  q, kb, vb = q.astype(dt), kb.astype(dt), vb.astype(dt)
   s_len = kb.shape[0]
   row = jax.lax.broadcasted_iota(jnp.int32, (chunk, s_len), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (chunk, s_len), 1)
@@ -85,7 +90,9 @@ def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
   lin = jax.lax.dot_general(phiq, phikb, (((1,), (1,)), ((), ())),
                             preferred_element_type=f32)
   w = w + jnp.where(older, lin, 0.0)
-  num = jnp.dot(w, vb, preferred_element_type=f32) + jnp.dot(
+  # The window and older-key weights are rounded to the input dtype for
+  # w @ v (flash attention's p @ v); the state product stays float32.
+  num = jnp.dot(w.astype(dt), vb, preferred_element_type=f32) + jnp.dot(
       phiq, s_state, preferred_element_type=f32)
   den = jnp.sum(w, axis=1, keepdims=True) + jnp.sum(
       phiq * z_state, axis=1, keepdims=True)
@@ -102,7 +109,8 @@ def _fold(s_state, z_state, phik, v, key_start, lo, hi):
   idx = key_start + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)
   phik = jnp.where((idx >= lo) & (idx < hi), phik, 0.0)
   s_state = s_state + jax.lax.dot_general(
-      phik, v, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      phik, v.astype(jnp.float32), (((0,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32)
   z_state = z_state + jnp.sum(phik, axis=0, keepdims=True)
   return s_state, z_state
 
@@ -129,13 +137,15 @@ def _tpu_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window, nb,
       s_scr[...] = s0_ref[...]
       z_scr[...] = z0_ref[...]
 
+    # Blocks are joined in float32 (Mosaic's packed bf16 layout would need
+    # chunk % 16 == 0) and cast back: exact, the dots see the input dtype.
     cat = lambda rs: jnp.concatenate([r[...].astype(jnp.float32) for r in rs],
-                                     axis=0)
+                                     axis=0).astype(rs[0].dtype)
     kb, vb, phikb = cat(k_refs), cat(v_refs), cat(pk_refs)
     key_start = c * chunk
     y, s_new, z_new = _chunk_update(
-        q_ref[...].astype(jnp.float32), kb, vb, pq_ref[...], phikb,
-        s_scr[...], z_scr[...], v_refs[0][...].astype(jnp.float32),
+        q_ref[...], kb, vb, pq_ref[...], phikb,
+        s_scr[...], z_scr[...], v_refs[0][...],
         pk_refs[0][...], gamma=g_ref[hi_], lo=lo, hi=hi,
         key_start=key_start, window=window, nb=nb, chunk=chunk, scale=scale)
     y_ref[...] = y.astype(y_ref.dtype)
@@ -208,11 +218,9 @@ def _gpu_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window, nb,
       block = pl.ds(start, s_len)  # its key block (padded coordinates)
       oldest = pl.ds(start, chunk)  # the block's first chunk, folded after
       y, s_state, z_state = _chunk_update(
-          q_ref[rows, :].astype(jnp.float32),
-          k_ref[block, :].astype(jnp.float32),
-          v_ref[block, :].astype(jnp.float32), pq_ref[rows, :],
+          q_ref[rows, :], k_ref[block, :], v_ref[block, :], pq_ref[rows, :],
           pk_ref[block, :], s_state, z_state,
-          v_ref[oldest, :].astype(jnp.float32), pk_ref[oldest, :],
+          v_ref[oldest, :], pk_ref[oldest, :],
           gamma=gamma_h, lo=lo, hi=hi,
           key_start=start, window=window, nb=nb, chunk=chunk, scale=scale)
       y_ref[rows, :] = y.astype(y_ref.dtype)

@@ -98,3 +98,41 @@ def test_decode_lowers_for_a_cache_not_a_multiple_of_the_split(target):
   text = jax.export.export(jax.jit(flash_decode), platforms=[target],
                            disabled_checks=checks)(*args).mlir_module()
   assert (TPU_CALL if target == 'tpu' else TRITON) in text
+
+
+def _dot_dtypes(jaxpr) -> set[tuple[str, ...]]:
+  """Operand dtypes of every dot_general in a jaxpr, nested ones included
+  (the kernel body of a pallas_call, loop bodies)."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      found.add(tuple(v.aval.dtype.name for v in eqn.invars))
+    for value in eqn.params.values():
+      for sub in (value if isinstance(value, (list, tuple)) else [value]):
+        inner = getattr(sub, 'jaxpr', sub)
+        if hasattr(inner, 'eqns'):
+          found |= _dot_dtypes(inner)
+  return found
+
+
+@pytest.mark.parametrize('platform', ['tpu', 'gpu'])
+@pytest.mark.parametrize('kernel', ['prefill', 'decode'])
+def test_bf16_inputs_reach_the_dots_in_bf16(kernel, platform):
+  """bf16 q, k, v go into bf16 x bf16 dots (tensor-core / MXU rate, float32
+  accumulation) in both schedules: q.k and w.v; the feature-map and state
+  products stay float32 (f32 x f32 dots); float32 inputs only f32 dots."""
+  for dtype, want in ((jnp.bfloat16, ('bfloat16', 'bfloat16')),
+                      (jnp.float32, ('float32', 'float32'))):
+    if kernel == 'decode':
+      fn, args = _decode_lowering_args(dtype)
+    else:
+      fn, args = _prefill_lowering_args(dtype, False)
+    call = functools.partial(fn, interpret=True, platform=platform)
+    zeros = [jnp.zeros(a.shape, a.dtype) for a in args]
+    dots = _dot_dtypes(jax.make_jaxpr(call)(*zeros).jaxpr)
+    assert want in dots, dots
+    if dtype == jnp.bfloat16:
+      # every dot is bf16 x bf16 or f32 x f32: no mixed operands
+      assert dots <= {('bfloat16', 'bfloat16'), ('float32', 'float32')}, dots
+    else:
+      assert dots == {('float32', 'float32')}, dots
