@@ -51,31 +51,12 @@ _TOP_P = flags.DEFINE_float('top_p', None, 'Nucleus sampling.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 
 
-def load(teacher: str, adapter: str | None, attention: str,
-         exact_tail: int = -1):
-  """(config, params, description) of the chat model."""
-  from orthros_jax.conversion import adapter as adapter_lib  # pylint: disable=g-import-not-at-top
-  from orthros_jax.evaluation.suite import load_dense  # pylint: disable=g-import-not-at-top
-  config, params, where = load_dense(teacher)
-  if attention == 'dense':
-    return config, params, f'{where}: the teacher, dense attention'
-  if not adapter:
-    raise app.UsageError('--attention=orthros needs --adapter (an Orthros '
-                         'adapter directory made by convert.py)')
-  config, params = adapter_lib.apply_adapter(adapter, config, params)
-  if exact_tail >= 0:
-    config = config.replace(attention={'exact_tail': exact_tail})
-  a = config.attention
-  return config, params, (
-      f'{adapter} on {teacher}: Orthros W={a.window}, sinks {a.sinks}, '
-      f'exact tail {a.exact_tail}')
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   console.quiet_logging()
   from orthros_jax.chat import ChatSession  # pylint: disable=g-import-not-at-top
+  from orthros_jax.chat import load_chat_model  # pylint: disable=g-import-not-at-top
   from orthros_jax.data import get_tokenizer  # pylint: disable=g-import-not-at-top
   if bool(_MODEL.value) == bool(_TEACHER.value):
     raise app.UsageError('give --model (an exported model) or --teacher '
@@ -87,8 +68,11 @@ def main(argv):
       config = config.replace(attention={'exact_tail': _EXACT_TAIL.value})
     desc = f'{_MODEL.value}: {config.attention.kind} attention'
   else:
-    config, params, desc = load(_TEACHER.value, _ADAPTER.value,
-                                _ATTENTION.value, _EXACT_TAIL.value)
+    if _ATTENTION.value == 'orthros' and not _ADAPTER.value:
+      raise app.UsageError('--attention=orthros needs --adapter (an Orthros '
+                           'adapter directory made by convert.py)')
+    config, params, desc = load_chat_model(
+        _TEACHER.value, _ADAPTER.value, _ATTENTION.value, _EXACT_TAIL.value)
   tokenizer = get_tokenizer(_TOKENIZER.value or _MODEL.value or _TEACHER.value)
   session = ChatSession(config, params, tokenizer, max_len=_MAX_LEN.value,
                         system=_SYSTEM.value,

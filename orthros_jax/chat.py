@@ -199,3 +199,27 @@ class ChatSession:
       logits, self.cache = fn(self.config, self.params, jnp.asarray(tokens),
                               jnp.asarray([len(part)], jnp.int32), self.cache)
     return logits
+
+
+def load_chat_model(teacher: str, adapter: str | None, attention: str,
+                    exact_tail: int = -1) -> tuple[ModelConfig, dict, str]:
+  """(config, params, description) for chat.py: 'dense' is the teacher as
+  loaded (a Hugging Face directory or a train.py checkpoint), 'orthros' the
+  adapter applied to it (exact_tail >= 0 overrides the converted one)."""
+  from orthros_jax.conversion import adapter as adapter_lib  # pylint: disable=g-import-not-at-top
+  from orthros_jax.evaluation.suite import load_dense  # pylint: disable=g-import-not-at-top
+  if attention not in ('dense', 'orthros'):
+    raise ValueError(f"attention={attention!r}: use 'dense' or 'orthros'")
+  config, params, where = load_dense(teacher)
+  if attention == 'dense':
+    return config, params, f'{where}: the teacher, dense attention'
+  if not adapter:
+    raise ValueError("attention='orthros' needs an adapter (an Orthros "
+                     'adapter directory made by convert.py)')
+  config, params = adapter_lib.apply_adapter(adapter, config, params)
+  if exact_tail >= 0:
+    config = config.replace(attention={'exact_tail': exact_tail})
+  a = config.attention
+  return config, params, (
+      f'{adapter} on {teacher}: Orthros W={a.window}, sinks {a.sinks}, '
+      f'exact tail {a.exact_tail}')
