@@ -86,21 +86,20 @@ def test_ragged_decode_equals_separate_calls():
   tokens: logits and cache equal decoding each row alone."""
   config = make_config(window=4, chunk=4)
   params = init_params(config)
-  model = Transformer(config)
+  apply = jax.jit(Transformer(config).apply, static_argnames=('phase',))
   prompt = np.asarray([PROMPTS[0][:9], PROMPTS[2][:9]], np.int32)
   more = np.asarray([[4, 9, 13, 2], [7, 1, 0, 0]], np.int32)
   lengths = np.asarray([4, 2], np.int32)
   cache = oj.init_cache(config, 2, 24)
-  _, cache = model.apply({'params': params}, prompt, phase='prefill',
-                         cache=cache)
-  logits, got = model.apply({'params': params}, more, phase='decode',
-                            cache=cache, lengths=lengths)
+  _, cache = apply({'params': params}, prompt, phase='prefill', cache=cache)
+  logits, got = apply({'params': params}, more, phase='decode', cache=cache,
+                      lengths=lengths)
   for b in range(2):
     one = oj.init_cache(config, 1, 24)
-    _, one = model.apply({'params': params}, prompt[b:b + 1], phase='prefill',
-                         cache=one)
-    want, one = model.apply({'params': params}, more[b:b + 1, :lengths[b]],
-                            phase='decode', cache=one)
+    _, one = apply({'params': params}, prompt[b:b + 1], phase='prefill',
+                   cache=one)
+    want, one = apply({'params': params}, more[b:b + 1, :lengths[b]],
+                      phase='decode', cache=one)
     np.testing.assert_allclose(logits[b, :lengths[b]], want[0], rtol=1e-5,
                                atol=1e-5)
     for layer, ref in zip(got, one):
