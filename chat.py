@@ -97,7 +97,9 @@ def main(argv):
     print(f'\n[TTFT {reply.ttft_s:.2f} s for {reply.prompt_tokens} new '
           f'prompt tokens ({session.cached} cached), '
           f'{reply.decode_tokens_per_s:.1f} tokens/s, {len(reply.ids)} '
-          f'tokens, stop: {reply.stopped}]', flush=True)
+          f'tokens, stop: {reply.stopped}'
+          f'{"; incl. XLA compilation" if reply.compiled else ""}]',
+          flush=True)
   sys.stdout.flush()
 
 

@@ -37,19 +37,26 @@ class Reply:
   tokens, an EOS included), prompt_tokens (the turn's new prompt tokens:
   template and user message), ttft_s (turn start to first reply token),
   decode_tokens_per_s (the reply's later tokens), stopped ('eos' or
-  'length')."""
+  'length'), compiled (the turn traced and compiled a new program shape:
+  its times include XLA compilation; the first turn always does)."""
   text: str
   ids: list[int]
   prompt_tokens: int
   ttft_s: float
   decode_tokens_per_s: float
   stopped: str
+  compiled: bool
 
 
 def _bucket(n: int) -> int:
-  """Prompt widths are padded to a power of two (>= 16): each new width
-  compiles the prefill once, a handful of widths serve a conversation."""
-  return max(16, 1 << (n - 1).bit_length())
+  """Prompt widths are padded to a power of two (>= 64): each new width
+  compiles the prefill once; turns of up to 64 new tokens share one."""
+  return max(64, 1 << (n - 1).bit_length())
+
+
+def _compiled_programs() -> int:
+  """How many program shapes the chat's jitted functions hold."""
+  return _prefill._cache_size() + _decode._cache_size()  # pylint: disable=protected-access
 
 
 @functools.partial(jax.jit, static_argnames=('config',),
@@ -140,6 +147,7 @@ class ChatSession:
     if bad:
       raise ValueError(f'the tokenizer produced ids {bad[:5]} outside the '
                        f'model vocabulary [0, {self.config.vocab_size})')
+    programs = _compiled_programs()
     t0 = time.perf_counter()
     logits = self._run_prompt(new)
     ids, stopped = [], 'length'
@@ -179,7 +187,8 @@ class ChatSession:
     self._text = self._pending_text + reply + eos_text
     later = len(ids) - 1
     return Reply(reply, ids, len(prompt), first_s - t0,
-                 later / (end - first_s) if later else 0.0, stopped)
+                 later / (end - first_s) if later else 0.0, stopped,
+                 _compiled_programs() > programs)
 
   def _run_prompt(self, new: Sequence[int]) -> jax.Array:
     """Continued prefill of the turn's tokens; the last one's logits [1, V].
@@ -192,8 +201,10 @@ class ChatSession:
     for part, fn in ((new[:head], _prefill), (new[head:], _decode)):
       if not part:
         continue
-      width = min(_bucket(len(part)), self.max_len - self.cached)
-      width = max(width, len(part))
+      # The tail is at most exact_tail tokens: one width for every turn.
+      width = (_bucket(len(part)) if fn is _prefill else
+               self.config.attention.exact_tail)
+      width = max(min(width, self.max_len - self.cached), len(part))
       tokens = np.zeros((1, width), np.int32)
       tokens[0, :len(part)] = part
       logits, self.cache = fn(self.config, self.params, jnp.asarray(tokens),

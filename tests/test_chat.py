@@ -73,9 +73,12 @@ def test_two_turns_cache_equals_full_prefill(kind, window):
   first = chat.send('hi there', max_new_tokens=6, on_token=streamed.append)
   second = chat.send('and now?', max_new_tokens=6)
   assert ''.join(streamed) == first.text
-  assert first.ttft_s > 0 and second.prompt_tokens > 0
+  assert first.ttft_s > 0 and second.prompt_tokens > 0 and first.compiled
+  # A third short turn reuses the compiled prefill, tail and step programs.
+  third = chat.send('ok', max_new_tokens=2)
+  assert not third.compiled
   assert len(chat.ids) == chat.cached + 1
-  assert chat.messages[-1] == {'role': 'assistant', 'content': second.text}
+  assert chat.messages[-1] == {'role': 'assistant', 'content': third.text}
   want = _prefill_all(config, params, chat.ids[:-1], 128)
   _assert_caches_equal(chat.cache, want, chat.cached)
 
@@ -176,4 +179,4 @@ def test_chat_command_two_turns(tmp_path):
 
 def test_bucket_widths():
   from orthros_jax.chat import _bucket  # pylint: disable=g-import-not-at-top
-  assert [_bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+  assert [_bucket(n) for n in (1, 64, 65, 100)] == [64, 64, 128, 128]
