@@ -95,7 +95,7 @@ def main(argv):
     reply = session.send(text, max_new_tokens=_MAX_NEW.value,
                          on_token=lambda s: print(s, end='', flush=True))
     print(f'\n[TTFT {reply.ttft_s:.2f} s for {reply.prompt_tokens} new '
-          f'prompt tokens ({session.cached} cached), '
+          f'prompt tokens, {session.cached} in the cache, '
           f'{reply.decode_tokens_per_s:.1f} tokens/s, {len(reply.ids)} '
           f'tokens, stop: {reply.stopped}'
           f'{"; incl. XLA compilation" if reply.compiled else ""}]',
