@@ -108,6 +108,7 @@ class ChatSession:
     self._sampling = dict(temperature=float(temperature), top_k=top_k,
                           top_p=top_p)
     self._rng = jax.random.PRNGKey(seed)
+    self._broken = False  # a turn failed after the cache had changed
 
   @property
   def cached(self) -> int:
@@ -133,6 +134,9 @@ class ChatSession:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
       raise ValueError(f'max_new_tokens={max_new_tokens!r} must be an int '
                        '>= 1')
+    if self._broken:
+      raise RuntimeError('an earlier turn of this session failed after its '
+                         'tokens entered the cache: start a new ChatSession')
     messages = self.messages + [{'role': 'user', 'content': text}]
     prompt = self._new_prompt_ids(messages)
     # The last reply token is in `ids` but not yet in the cache.
@@ -148,6 +152,7 @@ class ChatSession:
       raise ValueError(f'the tokenizer produced ids {bad[:5]} outside the '
                        f'model vocabulary [0, {self.config.vocab_size})')
     programs = _compiled_programs()
+    self._broken = True  # until the turn's bookkeeping below is done
     t0 = time.perf_counter()
     logits = self._run_prompt(new)
     ids, stopped = [], 'length'
@@ -185,6 +190,7 @@ class ChatSession:
     # (after an EOS) the EOS token's own text, as the template writes it.
     eos_text = self.tokenizer.eos_token if stopped == 'eos' else ''
     self._text = self._pending_text + reply + eos_text
+    self._broken = False
     later = len(ids) - 1
     return Reply(reply, ids, len(prompt), first_s - t0,
                  later / (end - first_s) if later else 0.0, stopped,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 from typing import Sequence
 
 import flax.struct
@@ -208,7 +209,11 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
   tail = 0
   if config.is_orthros:
     tail = config.attention.exact_tail if exact_tail is None else exact_tail
-    if not isinstance(tail, (int, np.integer)) or tail < 0:
+    try:
+      tail = operator.index(tail)  # ints, numpy ints, 0-d integer arrays
+    except TypeError:
+      raise ValueError(f'exact_tail={tail!r} must be an int >= 0') from None
+    if tail < 0:
       raise ValueError(f'exact_tail={tail!r} must be an int >= 0')
   tails = np.minimum(tail, prompt_lengths).astype(np.int32)  # [B]
   boundary = prompt_lengths - tails

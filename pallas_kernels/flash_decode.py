@@ -41,6 +41,15 @@ Array = jax.Array
 __all__ = ['flash_decode', 'reference', 'split_length']
 
 
+def _dot_dtype(*xs):
+  """The dtype the dots take: the inputs' own when all are bf16 or all
+  f16, float32 otherwise (float32 inputs, mixed or 8-bit caches)."""
+  dts = {x.dtype for x in xs}
+  if len(dts) == 1 and dts <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
+    return dts.pop()
+  return jnp.dtype(jnp.float32)
+
+
 def _next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
@@ -62,7 +71,7 @@ def _partial(q, k, v, qpos, key_pos, key_pos_col, same_head=None, *, scale):
   f32 = jnp.float32
   # bf16 / f16 inputs stay in their dtype for the dots (tensor-core / MXU
   # rate) with float32 accumulation; float32 inputs keep the float32 path.
-  dt = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+  dt = _dot_dtype(q, k, v)
   q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
   seen = key_pos <= qpos  # causal over the cache; qpos < lengths
   if same_head is not None:
@@ -76,7 +85,8 @@ def _partial(q, k, v, qpos, key_pos, key_pos_col, same_head=None, *, scale):
   l = jnp.sum(p, axis=1, keepdims=True)
   # Keys no query sees may be garbage (a partial last block reads past the
   # cache end, possibly NaN): zero them before p @ v, as 0 * NaN is NaN.
-  v = jnp.where(key_pos_col <= jnp.max(qpos), v, jnp.zeros((), dt))
+  # (zeroed in float32 and cast back: no select on packed 16-bit rows)
+  v = jnp.where(key_pos_col <= jnp.max(qpos), v.astype(f32), 0.0).astype(dt)
   # p in [0, 1] rounded to the input dtype, as flash attention does.
   o = jnp.dot(p.astype(dt), v, preferred_element_type=f32)
   o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)

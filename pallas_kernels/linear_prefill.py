@@ -56,6 +56,15 @@ Array = jax.Array
 __all__ = ['linear_prefill', 'reference']
 
 
+def _dot_dtype(*xs):
+  """The dtype the dots take: the inputs' own when all are bf16 or all
+  f16, float32 otherwise (float32 inputs, mixed dtypes)."""
+  dts = {x.dtype for x in xs}
+  if len(dts) == 1 and dts <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
+    return dts.pop()
+  return jnp.dtype(jnp.float32)
+
+
 def _next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
@@ -71,7 +80,7 @@ def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
   # bf16 / f16 q, k, v stay in their dtype for the dots (tensor-core / MXU
   # rate) with float32 accumulation; feature maps, the state (S, z) and the
   # softmax statistics stay float32; float32 inputs keep the float32 path.
-  dt = jnp.promote_types(jnp.promote_types(q.dtype, kb.dtype), vb.dtype)
+  dt = _dot_dtype(q, kb, vb)
   q, kb, vb = q.astype(dt), kb.astype(dt), vb.astype(dt)
   s_len = kb.shape[0]
   row = jax.lax.broadcasted_iota(jnp.int32, (chunk, s_len), 0)
@@ -137,15 +146,19 @@ def _tpu_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window, nb,
       s_scr[...] = s0_ref[...]
       z_scr[...] = z0_ref[...]
 
-    # Blocks are joined in float32 (Mosaic's packed bf16 layout would need
-    # chunk % 16 == 0) and cast back: exact, the dots see the input dtype.
-    cat = lambda rs: jnp.concatenate([r[...].astype(jnp.float32) for r in rs],
-                                     axis=0).astype(rs[0].dtype)
+    # Blocks are joined in float32 and cast back (exact) where Mosaic's
+    # packed 16-bit rows tile (chunk % 16 == 0); otherwise the dots stay in
+    # float32 (q is cast to match below).
+    packed = chunk % 16 == 0
+    cat = lambda rs: jnp.concatenate(
+        [r[...].astype(jnp.float32) for r in rs], axis=0).astype(
+            rs[0].dtype if packed else jnp.float32)
     kb, vb, phikb = cat(k_refs), cat(v_refs), cat(pk_refs)
     key_start = c * chunk
     y, s_new, z_new = _chunk_update(
-        q_ref[...], kb, vb, pq_ref[...], phikb,
-        s_scr[...], z_scr[...], v_refs[0][...],
+        q_ref[...] if packed else q_ref[...].astype(jnp.float32), kb, vb,
+        pq_ref[...], phikb, s_scr[...], z_scr[...],
+        v_refs[0][...] if packed else v_refs[0][...].astype(jnp.float32),
         pk_refs[0][...], gamma=g_ref[hi_], lo=lo, hi=hi,
         key_start=key_start, window=window, nb=nb, chunk=chunk, scale=scale)
     y_ref[...] = y.astype(y_ref.dtype)

@@ -117,6 +117,17 @@ def test_chat_errors_keep_the_conversation():
   chat.send('ok', max_new_tokens=2)  # the session still works
   with pytest.raises(ValueError, match='max_len'):
     ChatSession(config, params, TinyChatTokenizer(), max_len=1)
+  # A turn that fails after its tokens entered the cache (here the
+  # streaming callback) leaves the session refusing further turns.
+
+  def broken_pipe(_):
+    raise BrokenPipeError
+
+  chat = ChatSession(config, params, TinyChatTokenizer(), max_len=60)
+  with pytest.raises(BrokenPipeError):
+    chat.send('hi', max_new_tokens=3, on_token=broken_pipe)
+  with pytest.raises(RuntimeError, match='new ChatSession'):
+    chat.send('again', max_new_tokens=2)
 
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + "

@@ -88,6 +88,16 @@ def test_broken_directories_name_the_file(tmp_path):
                      'readable safetensors'):
     export.load_model(other)
   export.load_model(good)  # the good one is untouched
+  # A foreign, non-empty directory is never replaced; a model is.
+  foreign = tmp_path / 'foreign'
+  foreign.mkdir()
+  (foreign / 'notes.txt').write_text('keep me')
+  with pytest.raises(FileExistsError, match='nothing was changed'):
+    export.save_model(foreign, config, params)
+  assert (foreign / 'notes.txt').read_text() == 'keep me'
+  export.save_model(good, config, params)
+  assert sorted(p.name for p in (tmp_path / 'good').iterdir()) == [
+      export.WEIGHTS, export.CONFIG]
 
 
 def test_command_merges_teacher_and_adapter(tmp_path):

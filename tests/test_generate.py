@@ -72,6 +72,11 @@ def test_exact_tail_is_per_prompt():
   params = init_params(config)
   out = oj.generate(config, params, PROMPTS, max_new_tokens=5, max_len=40)
   np.testing.assert_array_equal(out.boundary, [3, 0, 9])
+  again = oj.generate(config, params, PROMPTS, max_new_tokens=5, max_len=40,
+                      exact_tail=np.int64(8))
+  np.testing.assert_array_equal(again.tokens, out.tokens)
+  with pytest.raises(ValueError, match='exact_tail'):
+    oj.generate(config, params, PROMPTS, max_new_tokens=5, exact_tail=2.5)
   for b, prompt in enumerate(PROMPTS):
     one = oj.generate(config, params, [prompt], max_new_tokens=5, max_len=40)
     assert one.boundary[0] == out.boundary[b]

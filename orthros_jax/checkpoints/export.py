@@ -65,6 +65,11 @@ def write_tensor_dir(out_dir: str | os.PathLike, tensors: Mapping[str, Any],
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
   out_dir = os.path.abspath(os.fspath(out_dir))
+  if (os.path.isdir(out_dir) and os.listdir(out_dir)
+      and not os.path.isfile(os.path.join(out_dir, config_name))):
+    raise FileExistsError(
+        f'{out_dir} exists and is not a directory this writer made (no '
+        f'{config_name}): choose another path; nothing was changed')
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}-', dir=parent)
@@ -76,9 +81,14 @@ def write_tensor_dir(out_dir: str | os.PathLike, tensors: Mapping[str, Any],
       json.dump(meta, f, indent=1)
     for file in copy_files:
       shutil.copy(file, os.path.join(tmp, os.path.basename(file)))
-    if os.path.isdir(out_dir):
-      shutil.rmtree(out_dir)
+    old = None
+    if os.path.isdir(out_dir):  # moved aside whole, then replaced
+      old = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}-old-',
+                             dir=parent)
+      os.replace(out_dir, os.path.join(old, 'previous'))
     os.replace(tmp, out_dir)
+    if old is not None:
+      shutil.rmtree(old, ignore_errors=True)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
