@@ -26,6 +26,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common import dot_dtype
+from pallas_kernels.common import next_pow2
+
 from orthros_jax.attention.softmax import decode_attention as reference
 
 # Triton launch settings of the GPU kernel and the largest split it takes:
@@ -41,23 +44,10 @@ Array = jax.Array
 __all__ = ['flash_decode', 'reference', 'split_length']
 
 
-def _dot_dtype(*xs):
-  """The dtype the dots take: the inputs' own when all are bf16 or all
-  f16, float32 otherwise (float32 inputs, mixed or 8-bit caches)."""
-  dts = {x.dtype for x in xs}
-  if len(dts) == 1 and dts <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
-    return dts.pop()
-  return jnp.dtype(jnp.float32)
-
-
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
-
-
 def split_length(cache_len: int, max_split: int = 512) -> int:
   """Keys per split: a power of two, at most `max_split`, no larger than the
   cache needs (so short caches are not over-split or over-padded)."""
-  return max(16, min(max_split, _next_pow2(cache_len)))
+  return max(16, min(max_split, next_pow2(cache_len)))
 
 
 def _partial(q, k, v, qpos, key_pos, key_pos_col, same_head=None, *, scale):
@@ -71,7 +61,7 @@ def _partial(q, k, v, qpos, key_pos, key_pos_col, same_head=None, *, scale):
   f32 = jnp.float32
   # bf16 / f16 inputs stay in their dtype for the dots (tensor-core / MXU
   # rate) with float32 accumulation; float32 inputs keep the float32 path.
-  dt = _dot_dtype(q, k, v)
+  dt = dot_dtype(q, k, v)
   q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
   seen = key_pos <= qpos  # causal over the cache; qpos < lengths
   if same_head is not None:
@@ -227,8 +217,8 @@ def _kernel(q, k_cache, v_cache, lengths, *, interpret, platform, max_split):
   m = g * tq
   gpu = platform == 'gpu'
   # Query rows per kv head, ordered (token, group): row r is token r // G.
-  m_pad = max(16, _next_pow2(m)) if gpu else -(-m // 8) * 8
-  d_pad = _next_pow2(d) if gpu else d
+  m_pad = max(16, next_pow2(m)) if gpu else -(-m // 8) * 8
+  d_pad = next_pow2(d) if gpu else d
   if d_pad != d:
     raise ValueError(f'flash_decode on GPU needs a power-of-two head_dim; got '
                      f'{d}')
@@ -276,7 +266,7 @@ def flash_decode(q: Array, k_cache: Array, v_cache: Array, lengths: Array, *,
   # Every branch is traced, so one the GPU schedule cannot take (a head_dim
   # that is not a power of two) must not be built: XLA serves GPUs then.
   gpu = (functools.partial(run, platform='gpu')
-         if _next_pow2(q.shape[3]) == q.shape[3] else reference)
+         if next_pow2(q.shape[3]) == q.shape[3] else reference)
   return jax.lax.platform_dependent(
       q, k_cache, v_cache, lengths,
       tpu=functools.partial(run, platform='tpu'), cuda=gpu, rocm=gpu,

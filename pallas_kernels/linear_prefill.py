@@ -41,6 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common import dot_dtype
+from pallas_kernels.common import next_pow2
+
 from orthros_jax.attention.orthros import LinearState
 from orthros_jax.attention.orthros import WindowPrefix
 from orthros_jax.attention.orthros import orthros_prefill as reference
@@ -56,19 +59,6 @@ Array = jax.Array
 __all__ = ['linear_prefill', 'reference']
 
 
-def _dot_dtype(*xs):
-  """The dtype the dots take: the inputs' own when all are bf16 or all
-  f16, float32 otherwise (float32 inputs, mixed dtypes)."""
-  dts = {x.dtype for x in xs}
-  if len(dts) == 1 and dts <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
-    return dts.pop()
-  return jnp.dtype(jnp.float32)
-
-
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
-
-
 def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
                   *, gamma, lo, hi, key_start, window, nb, chunk, scale):
   """One chunk. q [C, D], kb/vb [S, D], phiq [C, F], phikb [S, F],
@@ -80,7 +70,7 @@ def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
   # bf16 / f16 q, k, v stay in their dtype for the dots (tensor-core / MXU
   # rate) with float32 accumulation; feature maps, the state (S, z) and the
   # softmax statistics stay float32; float32 inputs keep the float32 path.
-  dt = _dot_dtype(q, kb, vb)
+  dt = dot_dtype(q, kb, vb)
   q, kb, vb = q.astype(dt), kb.astype(dt), vb.astype(dt)
   s_len = kb.shape[0]
   row = jax.lax.broadcasted_iota(jnp.int32, (chunk, s_len), 0)
@@ -307,8 +297,8 @@ def _layout(q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix, *,
   lo = front + p - n_valid
   hi = front + p + lengths - window
   scalars = jnp.stack([lo, hi], axis=1).astype(jnp.int32)  # [B, 2]
-  d_pad = _next_pow2(d) if pad_dims else d
-  f_pad = _next_pow2(f) if pad_dims else f
+  d_pad = next_pow2(d) if pad_dims else d
+  f_pad = next_pow2(f) if pad_dims else f
 
   def arrange(x, width, front_pad):  # [B, N, X, W] -> [B, X, front+Np, W']
     x = jnp.pad(x, [(0, 0), (front_pad, n_pad - n), (0, 0), (0, width -
@@ -339,7 +329,7 @@ def _kernel_forward(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
   nb = min(nb, num_chunks - 1)
   gpu = platform == 'gpu'
   if gpu:  # Triton: the key block (nb + 1) * C must be a power of two.
-    nb = _next_pow2(nb + 1) - 1
+    nb = next_pow2(nb + 1) - 1
   scalars, gamma32, ops, dims = _layout(
       q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix,
       window=window, chunk=chunk_size, nb=nb, pad_dims=gpu)
