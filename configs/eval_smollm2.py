@@ -12,6 +12,11 @@ teacher and Orthros only, passkey and niah at 2K (100 examples) and 4K (50);
 same cells as '', so a later '' run in the same --out reuses them; the
 teacher's and Orthros' are the first 30 of main's when main ran in that
 --out);
+'lm_eval' LoLCATs' zero-shot suite through lm-evaluation-harness (PIQA,
+ARC-e/c, HellaSwag, Winogrande, MMLU) on the teacher, dense, window +
+sinks, Orthros and pure-linear rows (needs `pip install lm-eval==0.4.13`
+and the tasks' datasets: hub access or a filled Hugging Face cache; any
+arg runs named tasks with --config.lm_eval.tasks="('piqa',)");
 'quality' and 'speed' those sections of '' alone (speed on a quiet
 machine: it times TTFT and decode of dense, Orthros and the no-attention
 ceiling); 'quick' what `make smollm2-eval` runs in minutes (a few examples
@@ -47,9 +52,10 @@ EXACT_TAIL = 64
 
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
-  if arg not in ('', 'main', 'baselines', 'quality', 'speed', 'quick'):
+  if arg not in ('', 'main', 'baselines', 'quality', 'speed', 'quick',
+                 'lm_eval'):
     raise ValueError(f'configs/eval_smollm2.py:{arg}: expected main, '
-                     'baselines, quality, speed, quick or nothing')
+                     'baselines, quality, speed, quick, lm_eval or nothing')
   c = ml_collections.ConfigDict()
   c.name = 'smollm2' if not arg else f'smollm2_{arg}'
   # An Orthros checkpoint (convert.py workdir) or adapter directory; the
@@ -81,6 +87,12 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                    seq_len=4096, batch_size=1, seed=5)
   c.speed = dict(lengths=(1024, 2048, 4096, 8192), batch=1, decode_batch=1,
                  reps=3)
+  # lm-evaluation-harness tasks (orthros_jax/evaluation/lm_harness.py); runs
+  # only when tasks is not empty. num_fewshot < 0: each task's default;
+  # limit 0: every example.
+  c.lm_eval = dict(tasks=(), include_path='', num_fewshot=0, limit=0,
+                   max_length=2048, batch_size=8, max_gen_toks=256,
+                   seed=1234)
   if arg == 'main':
     c.models = ('teacher', 'orthros')
     c.tasks = dict(
@@ -105,6 +117,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
     c.models = ('orthros',)
     c.tasks = {}
     c.quality = {}
+  elif arg == 'lm_eval':
+    c.models = ('teacher', 'dense', 'window_sinks', 'orthros', 'linear')
+    c.tasks = {}
+    c.quality = {}
+    c.speed = {}
+    c.lm_eval.tasks = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag',
+                       'winogrande', 'mmlu')
   elif arg == 'quick':
     c.models = ('teacher', 'window_sinks', 'orthros', 'linear')
     quick = dict(lengths=(1024, 2048), depths=(0.25, 0.75),

@@ -353,6 +353,14 @@ def test_eval_smollm2_variants():
       assert k * len(b.depths) >= 30
       assert k == dict(zip(f.lengths, f.num_examples))[n]
   assert full.exact_tail == 64 and full.seed == main.seed
+  # lm-eval: off unless tasks are named; ':lm_eval' names the zero-shot
+  # suite of LoLCATs' tables on every row it reports.
+  assert not full.lm_eval.tasks and not main.lm_eval.tasks
+  harness = eval_smollm2.get_config('lm_eval')
+  assert set(harness.lm_eval.tasks) == {'piqa', 'arc_easy', 'arc_challenge',
+                                        'hellaswag', 'winogrande', 'mmlu'}
+  assert {'teacher', 'orthros', 'linear'} <= set(harness.models)
+  assert not harness.tasks and not harness.quality and not harness.speed
 
 
 def test_task_counts_per_length_and_generation_budget(checkpoints,

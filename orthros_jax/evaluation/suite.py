@@ -15,6 +15,11 @@ Sections (each optional in the config):
               (the whole text through one prefill) for comparison
   speed       time to first token and decode tokens/s vs prompt length for
               dense / Orthros / no attention on this machine
+  lm_eval     named lm-evaluation-harness tasks on every row
+              (evaluation/lm_harness.py: loglikelihood through the
+              inference path, generate_until through `generate`); needs the
+              `lm-eval` package and the tasks' datasets (or a local task
+              directory, `include_path`)
 Outputs in out_dir: results.json, report.md, retrieval.png, heatmaps
 (niah_heatmap.png), speed.png and speed.csv.
 """
@@ -362,6 +367,32 @@ def run_speed(models, speed_cfg: Mapping[str, Any], progress: bool) -> dict:
   return {'rows': rows, 'ratios': speed_lib.ratios(rows)}
 
 
+def run_lm_eval(models, cfg: Mapping[str, Any], tokenizer) -> dict:
+  """{'results': {row: {task: {metric: value}}}, 'table': markdown} of
+  lm-eval tasks on every row (cfg: tasks,
+  include_path, num_fewshot (< 0: each task's default), limit (0: all),
+  max_length, batch_size, max_gen_toks, seed)."""
+  # lm-eval is an optional dependency: imported only when the section runs.
+  from orthros_jax.evaluation import lm_harness  # pylint: disable=g-import-not-at-top
+  cfg = _plain(cfg)
+  unknown = sorted(set(cfg) - {'tasks', 'include_path', 'num_fewshot',
+                               'limit', 'max_length', 'batch_size',
+                               'max_gen_toks', 'seed'})
+  if unknown:
+    raise ValueError(f'lm_eval: unknown keys {unknown}')
+  shots = cfg.get('num_fewshot', -1)
+  res = lm_harness.run_tasks(
+      models, tuple(cfg['tasks']), tokenizer,
+      include_path=cfg.get('include_path') or '',
+      num_fewshot=None if shots is None or int(shots) < 0 else int(shots),
+      limit=int(cfg.get('limit') or 0) or None,
+      max_length=int(cfg.get('max_length', 2048)),
+      batch_size=int(cfg.get('batch_size', 1)),
+      max_gen_toks=int(cfg.get('max_gen_toks', 256)),
+      seed=int(cfg.get('seed', 1234)))
+  return {'results': res, 'table': lm_harness.table(res)}
+
+
 # -------------------------------------------------------------- report
 
 
@@ -558,6 +589,10 @@ def run(config, out_dir: str | os.PathLike) -> dict:
     results['quality'] = quality
   if config.get('speed'):
     results['speed'] = run_speed(models, config.speed, progress)
+  harness = None
+  if config.get('lm_eval') and config.lm_eval.get('tasks'):
+    harness = run_lm_eval(models, config.lm_eval, tokenizer)
+    results['lm_eval'] = harness
   with open(os.path.join(out_dir, 'results.json'), 'w') as f:
     json.dump(results, f, indent=1, default=str)
 
@@ -594,6 +629,9 @@ def run(config, out_dir: str | os.PathLike) -> dict:
     plot = speed_lib.plot(sp['rows'], os.path.join(out_dir, 'speed.png'))
     if plot:
       md += ['', '![speed](speed.png)']
+  if harness:
+    md += ['', '## lm-evaluation-harness (zero-shot unless num_fewshot; '
+           'each column a row of Models above)', '', harness['table']]
   plots = _plots(out_dir, rows, names)
   if quality:
     plots += _quality_plot(out_dir, quality)
