@@ -1,4 +1,5 @@
-"""Every train.py / convert.py / eval.py command README.md shows parses as
+"""Every train.py / convert.py / eval.py command README.md (and the TPU
+quickstart, docs/tpu_quickstart.md) shows parses as
 written: its config file loads with all its --config.x.y=... overrides the
 way the entry point's absl flags do (ml_collections.config_flags: a key
 that does not exist or a value of the wrong type is an error), its other
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, 'README.md')
+DOCS = ('README.md', 'docs/tpu_quickstart.md')
 SCRIPTS = ('train.py', 'convert.py', 'eval.py')
 OPERATORS = {'&&', '||', ';', '|', '&'}
 
@@ -46,9 +48,9 @@ def _words(text: str) -> list[str]:
   return out
 
 
-def _bash_lines():
-  """(line number, logical line) for every line of README's bash blocks."""
-  with open(README) as f:
+def _bash_lines(doc: str = 'README.md'):
+  """(line number, logical line) for every line of `doc`'s bash blocks."""
+  with open(os.path.join(REPO, doc)) as f:
     lines = f.read().split('\n')
   out, in_block, current, start = [], False, '', 0
   for i, line in enumerate(lines, 1):
@@ -70,17 +72,18 @@ def _bash_lines():
 def _commands():
   """(id, script, args, complete) for each entry-point command."""
   found = []
-  for lineno, line in _bash_lines():
-    words = _words(line)
-    for i, word in enumerate(words):
-      if os.path.basename(word) in SCRIPTS:
-        args = []
-        for arg in words[i + 1:]:
-          if arg in OPERATORS:
-            break
-          args.append(arg)
-        found.append((f'README.md:{lineno}', os.path.basename(word), args,
-                      '...' not in args))
+  for doc in DOCS:
+    for lineno, line in _bash_lines(doc):
+      words = _words(line)
+      for i, word in enumerate(words):
+        if os.path.basename(word) in SCRIPTS:
+          args = []
+          for arg in words[i + 1:]:
+            if arg in OPERATORS:
+              break
+            args.append(arg)
+          found.append((f'{doc}:{lineno}', os.path.basename(word), args,
+                        '...' not in args))
   with open(README) as f:
     for lineno, line in enumerate(f, 1):
       for span in re.findall(r'`([^`]*)`', line):
@@ -95,10 +98,11 @@ def _commands():
 
 def _make_commands():
   out = []
-  for lineno, line in _bash_lines():
-    words = _words(line)
-    if words and words[0] == 'make':
-      out.append((lineno, [w for w in words[1:] if '=' not in w]))
+  for doc in DOCS:
+    for lineno, line in _bash_lines(doc):
+      words = _words(line)
+      if words and words[0] == 'make':
+        out.append((f'{doc}:{lineno}', [w for w in words[1:] if '=' not in w]))
   return out
 
 
@@ -155,6 +159,9 @@ def test_readme_commands_are_found():
   assert scripts.count('eval.py') >= 3, COMMANDS
   assert any(s == 'convert.py' and '--config.data.paths=/data/corpus' in a
              for _, s, a, _ in COMMANDS)
+  # The TPU quickstart's conversion and evaluation.
+  assert any(w.startswith('docs/tpu_quickstart.md') and s == 'convert.py'
+             for w, s, _, _ in COMMANDS)
   # The nested command of the TPU example is opened.
   assert any(s == 'train.py' and '--config.mesh.shape.fsdp=-1' in a and
              '--config.data.paths=/data/corpus' in a for _, s, a, _ in COMMANDS)
@@ -201,4 +208,4 @@ def test_make_targets_exist():
   assert commands
   for lineno, words in commands:
     for target in words:
-      assert target in targets, f'README.md:{lineno}: no make target {target}'
+      assert target in targets, f'{lineno}: no make target {target}'
