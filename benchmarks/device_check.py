@@ -57,8 +57,10 @@ from orthros_jax.attention import LinearState  # pylint: disable=g-import-not-at
 from orthros_jax.attention import WindowPrefix  # pylint: disable=g-import-not-at-top
 from orthros_jax.attention import decode_attention  # pylint: disable=g-import-not-at-top
 from orthros_jax.attention import orthros_prefill  # pylint: disable=g-import-not-at-top
-from pallas_kernels.flash_decode import flash_decode  # pylint: disable=g-import-not-at-top
-from pallas_kernels.linear_prefill import linear_prefill  # pylint: disable=g-import-not-at-top
+# The kernels as the model calls them: their XLA reference as the fallback
+# and as the function the prefill's backward differentiates.
+from orthros_jax.attention.dispatch import pallas_decode as flash_decode  # pylint: disable=g-import-not-at-top
+from orthros_jax.attention.dispatch import pallas_prefill as linear_prefill  # pylint: disable=g-import-not-at-top
 
 
 def _rel_err(a, b, mask=None):

@@ -35,6 +35,8 @@ from orthros_jax import rope
 from orthros_jax import sharding
 from orthros_jax.attention import context_parallel
 from orthros_jax.attention import dispatch
+from orthros_jax.attention.sharded import sharded_flash_decode
+from orthros_jax.attention.sharded import sharded_linear_prefill
 from orthros_jax.config import ModelConfig
 from orthros_jax.config import inverse_sigmoid
 from orthros_jax.feature_maps import FeatureMap
@@ -202,7 +204,6 @@ class Attention(nn.Module):
     if (axes is None or local or fn in dispatch.XLA_IMPLS or
         fn in dispatch.NONE_IMPLS):
       return fn
-    from pallas_kernels.sharded import sharded_linear_prefill
     part, batch_axes, head_axes, _ = axes
     return functools.partial(sharded_linear_prefill, part.mesh,
                              batch_axis=batch_axes, head_axis=head_axes)
@@ -221,7 +222,6 @@ class Attention(nn.Module):
                                head_axes=head_axes)
     if fn in dispatch.XLA_IMPLS:
       return fn
-    from pallas_kernels.sharded import sharded_flash_decode
     return functools.partial(sharded_flash_decode, part.mesh,
                              batch_axis=batch_axes, head_axis=head_axes)
 

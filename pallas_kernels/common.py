@@ -1,8 +1,51 @@
-"""Helpers both kernels share (imports nothing from orthros_jax)."""
+"""Types and helpers the kernels share with the model's XLA paths.
+
+pallas_kernels imports nothing from orthros_jax (a test checks it): the
+linear-attention state and the window prefix are defined here and
+re-exported by `orthros_jax.attention`; the kernels take the XLA reference
+they fall back to as an argument (`fallback`), which
+`orthros_jax.attention.dispatch` supplies.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
+
+Array = jax.Array
+
+
+class LinearState(NamedTuple):
+  """Linear-attention state of the tokens older than the window.
+
+  S: [B, H, F, D] float32, sum of phi_k(k_j) v_j^T.
+  z: [B, H, F] float32, sum of phi_k(k_j).
+  """
+  S: Array
+  z: Array
+
+
+class WindowPrefix(NamedTuple):
+  """The tokens just before a continued prefill (a later chat turn).
+
+  k, v: [B, P, K, D]; phi_k: [B, P, H, F]; valid: [B, P] bool. Entry P-1 is
+  the token directly before the first new token. Invalid entries (a history
+  shorter than P) are ignored.
+  """
+  k: Array
+  v: Array
+  phi_k: Array
+  valid: Array
+
+
+def zero_state(batch: int, num_heads: int, feature_dim: int,
+               head_dim: int) -> LinearState:
+  """The state of no tokens: zeros, float32."""
+  return LinearState(
+      jnp.zeros((batch, num_heads, feature_dim, head_dim), jnp.float32),
+      jnp.zeros((batch, num_heads, feature_dim), jnp.float32))
 
 
 def next_pow2(x: int) -> int:

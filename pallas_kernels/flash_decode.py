@@ -13,12 +13,14 @@ row max m, row sum l and normalised output o. A log-sum-exp combine over the
 splits (a few KB, in XLA) gives the exact softmax. Splits past a sequence's
 length are skipped (and on TPU not even fetched: the block index is clamped
 with the scalar-prefetched lengths). The split length is chosen from the
-cache length. Reference: `orthros_jax.attention.decode_attention`.
+cache length. Reference: `orthros_jax.attention.decode_attention`, which
+callers pass as `fallback` (it serves platforms without a kernel).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +30,6 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import dot_dtype
 from pallas_kernels.common import next_pow2
-
-from orthros_jax.attention.softmax import decode_attention as reference
 
 # Triton launch settings of the GPU kernel and the largest split it takes:
 # on an H200 (232,448 bytes of shared memory per block) a split of 512 keys
@@ -41,7 +41,7 @@ GPU_MAX_SPLIT_D64 = 512
 GPU_MAX_SPLIT_D128 = 128
 Array = jax.Array
 
-__all__ = ['flash_decode', 'reference', 'split_length']
+__all__ = ['flash_decode', 'split_length']
 
 
 def split_length(cache_len: int, max_split: int = 512) -> int:
@@ -242,14 +242,20 @@ def _kernel(q, k_cache, v_cache, lengths, *, interpret, platform, max_split):
 
 def flash_decode(q: Array, k_cache: Array, v_cache: Array, lengths: Array, *,
                  interpret: bool = False, platform: str | None = None,
-                 max_split: int = 512) -> Array:
+                 max_split: int = 512,
+                 fallback: Callable | None = None) -> Array:
   """Exact attention of Tq new tokens over the cache; same arguments and
   output as `orthros_jax.attention.decode_attention`.
 
   interpret: run the kernel body in the Pallas interpreter (CPU tests).
   platform: None picks the kernel when lowering ('tpu' on TPU, 'gpu' on
-    CUDA/ROCm, the XLA reference elsewhere); 'tpu'/'gpu' forces one.
+    CUDA/ROCm, `fallback` elsewhere); 'tpu'/'gpu' forces one.
   max_split: upper bound on keys per split (a power of two).
+  fallback: the XLA reference with decode_attention's signature
+    (`orthros_jax.attention.decode_attention`), for platforms without a
+    kernel and GPU head dims that are not a power of two. Without it, an
+    unforced call takes the kernel of `jax.default_backend()` (lowering for
+    that platform only) and is a ValueError where there is none.
   """
   if q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
     raise ValueError(f'expected q [B,Tq,H,D], caches [B,S,K,D]; got '
@@ -263,6 +269,15 @@ def flash_decode(q: Array, k_cache: Array, v_cache: Array, lengths: Array, *,
   run = functools.partial(_kernel, interpret=interpret, max_split=max_split)
   if platform is not None:
     return run(q, k_cache, v_cache, lengths, platform=platform)
+  if fallback is None:  # the kernel of this backend, or a clear error
+    backend = jax.default_backend()
+    if backend not in ('tpu', 'gpu'):
+      raise ValueError(
+          f'flash_decode has no kernel for {backend!r} and no XLA reference '
+          'was given: pass fallback=orthros_jax.attention.decode_attention '
+          '(or call through orthros_jax.attention.dispatch)')
+    return run(q, k_cache, v_cache, lengths, platform=backend)
+  reference = fallback
   # Every branch is traced, so one the GPU schedule cannot take (a head_dim
   # that is not a power of two) must not be built: XLA serves GPUs then.
   gpu = (functools.partial(run, platform='gpu')

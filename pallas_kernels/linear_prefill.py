@@ -4,7 +4,8 @@ Einsum legend: B batch, N tokens (prefix + new), C chunk, S keys of a chunk's
 block = (nb + 1) * C, H query heads, K kv heads, G = H / K, D head dim,
 F feature dim.
 
-The math is that of `orthros_jax.attention.orthros_prefill` (the reference):
+The math is that of `orthros_jax.attention.orthros_prefill` (the XLA
+reference, which callers pass as `fallback`):
 per chunk of C queries, exact window softmax (weighted by gamma) and linear
 terms over the chunk's key block (the chunk and the nb chunks before it,
 nb * C >= W - 1), plus the carried float32 state (S [F, D], z [F]) of every
@@ -26,14 +27,16 @@ platform's variant is chosen at lowering time with
 `jax.lax.platform_dependent`, so one jitted function lowers for either.
 
 Backward: `jax.custom_vjp` whose backward pass recomputes through the XLA
-reference (`jax.vjp` of orthros_prefill): no extra residuals are saved by the
-forward kernel; the backward costs one reference forward plus its VJP, with
-the reference's O(N * S) per-head memory for the scan residuals.
+reference (`jax.vjp` of `fallback`, orthros_prefill): no extra residuals are
+saved by the forward kernel; the backward costs one reference forward plus
+its VJP, with the reference's O(N * S) per-head memory for the scan
+residuals.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +44,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common import LinearState
+from pallas_kernels.common import WindowPrefix
 from pallas_kernels.common import dot_dtype
 from pallas_kernels.common import next_pow2
-
-from orthros_jax.attention.orthros import LinearState
-from orthros_jax.attention.orthros import WindowPrefix
-from orthros_jax.attention.orthros import orthros_prefill as reference
+from pallas_kernels.common import zero_state
 
 # Triton launch settings of the GPU kernel. num_stages 1: with 2, the
 # recipes' shapes (F = 128 features, chunk 64) ask for more shared memory
@@ -56,7 +58,7 @@ from orthros_jax.attention.orthros import orthros_prefill as reference
 GPU_COMPILER_PARAMS = {'num_warps': 4, 'num_stages': 1}
 Array = jax.Array
 
-__all__ = ['linear_prefill', 'reference']
+__all__ = ['linear_prefill']
 
 
 def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
@@ -309,8 +311,7 @@ def _layout(q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix, *,
       q=arrange(q, d_pad, 0), phiq=arrange(phi_q.astype(jnp.float32), f_pad, 0),
       k=arrange(k, d_pad, front), v=arrange(v, d_pad, front),
       phik=arrange(phi_k.astype(jnp.float32), f_pad, front))
-  state = initial_state or LinearState(
-      jnp.zeros((b, h, f, d), jnp.float32), jnp.zeros((b, h, f), jnp.float32))
+  state = initial_state or zero_state(b, h, f, d)
   ops['s0'] = jnp.pad(state.S.astype(jnp.float32),
                       [(0, 0), (0, 0), (0, f_pad - f), (0, d_pad - d)])
   ops['z0'] = jnp.pad(state.z.astype(jnp.float32),
@@ -359,9 +360,22 @@ def _check_args(q, k, v, phi_q, phi_k, gamma, window, chunk_size):
     raise ValueError(f'gamma must be [H]={h}; got {gamma.shape}')
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+_PLATFORMS = {'tpu': 'tpu', 'gpu': 'gpu'}  # jax.default_backend() -> schedule
+
+
+def _no_fallback(what: str):
+  def fail(*unused_args, **unused_kwargs):
+    raise ValueError(
+        f'linear_prefill {what} runs its XLA reference, and none was given: '
+        'pass fallback=orthros_jax.attention.orthros_prefill (or call '
+        'through orthros_jax.attention.dispatch, which does)')
+  return fail
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
 def _linear_prefill(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
-                    prefix, window, chunk_size, interpret, platform):
+                    prefix, window, chunk_size, interpret, platform,
+                    fallback):
   if platform is not None:  # a forced schedule (tests, interpret mode)
     return _kernel_forward(q, k, v, phi_q, phi_k, gamma, lengths,
                            initial_state, prefix, window=window,
@@ -371,22 +385,30 @@ def _linear_prefill(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
   run = lambda plat: (lambda *a: _kernel_forward(
       *a, window=window, chunk_size=chunk_size, interpret=interpret,
       platform=plat))
-  ref = lambda *a: reference(*a[:6], window=window, chunk_size=chunk_size,
-                             lengths=a[6], initial_state=a[7], prefix=a[8])
+  if fallback is None:  # the kernel of this backend, or a clear error
+    plat = _PLATFORMS.get(jax.default_backend())
+    if plat is None:
+      _no_fallback(f'on {jax.default_backend()!r} (no kernel)')()
+    return run(plat)(*args)
+  ref = lambda *a: fallback(*a[:6], window=window, chunk_size=chunk_size,
+                            lengths=a[6], initial_state=a[7], prefix=a[8])
   return jax.lax.platform_dependent(*args, tpu=run('tpu'), cuda=run('gpu'),
                                     rocm=run('gpu'), default=ref)
 
 
 def _fwd(q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix, window,
-         chunk_size, interpret, platform):
+         chunk_size, interpret, platform, fallback):
   out = _linear_prefill(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
-                        prefix, window, chunk_size, interpret, platform)
+                        prefix, window, chunk_size, interpret, platform,
+                        fallback)
   return out, (q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix)
 
 
-def _bwd(window, chunk_size, interpret, platform, residuals, cotangents):
+def _bwd(window, chunk_size, interpret, platform, fallback, residuals,
+         cotangents):
   del interpret, platform
   q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix = residuals
+  reference = fallback or _no_fallback("'s backward pass (a gradient)")
   f = lambda q, k, v, phi_q, phi_k, gamma, initial_state, prefix: reference(
       q, k, v, phi_q, phi_k, gamma, window=window, chunk_size=chunk_size,
       lengths=lengths, initial_state=initial_state, prefix=prefix)
@@ -405,14 +427,22 @@ def linear_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
                    lengths: Array | None = None,
                    initial_state: LinearState | None = None,
                    prefix: WindowPrefix | None = None, interpret: bool = False,
-                   platform: str | None = None) -> tuple[Array, LinearState]:
+                   platform: str | None = None,
+                   fallback: Callable | None = None
+                   ) -> tuple[Array, LinearState]:
   """The Orthros prefill as a Pallas kernel; same arguments and outputs as
   `orthros_jax.attention.orthros_prefill`.
 
   interpret: run the kernel body in the Pallas interpreter (CPU tests).
   platform: None picks the schedule when lowering ('tpu' on TPU, 'gpu' on
-    CUDA/ROCm, the XLA reference elsewhere); 'tpu' or 'gpu' forces one
-    (with interpret=True both run on CPU).
+    CUDA/ROCm, `fallback` elsewhere); 'tpu' or 'gpu' forces one (with
+    interpret=True both run on CPU).
+  fallback: the XLA reference with orthros_prefill's signature
+    (`orthros_jax.attention.orthros_prefill`): what runs on a platform
+    without a kernel, and what the backward pass differentiates. Without
+    it, an unforced call takes the kernel of `jax.default_backend()` (so
+    it lowers for that platform only) and is a ValueError where there is
+    none; a gradient is a ValueError.
   chunk_size: a multiple of 8 on TPU and a power of two on GPU.
   """
   _check_args(q, k, v, phi_q, phi_k, gamma, window, chunk_size)
@@ -421,4 +451,5 @@ def linear_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
   if lengths is not None:
     lengths = jnp.asarray(lengths, jnp.int32)
   return _linear_prefill(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
-                         prefix, window, chunk_size, interpret, platform)
+                         prefix, window, chunk_size, interpret, platform,
+                         fallback)

@@ -12,8 +12,6 @@ from orthros_jax.attention import decode_attention
 from orthros_jax.attention import dispatch
 from orthros_jax.attention import orthros_prefill
 from orthros_jax.attention import softmax_attention
-import pallas_kernels.flash_decode
-import pallas_kernels.linear_prefill
 from test_model import init_params
 from test_model import make_config
 from test_model import random_tokens
@@ -34,12 +32,11 @@ def test_cpu_dispatch():
 @pytest.mark.parametrize('backend', ['gpu', 'tpu'])
 def test_accelerator_dispatch(monkeypatch, backend):
   monkeypatch.setattr(dispatch, '_backend', lambda: backend)
-  kernel = pallas_kernels.linear_prefill.linear_prefill
+  kernel = dispatch.pallas_prefill
   assert dispatch.prefill_impl('auto', chunk_size=16) is kernel
   assert dispatch.prefill_impl('pallas', chunk_size=16) is kernel
   assert dispatch.prefill_impl('xla', chunk_size=16) is orthros_prefill
-  assert (dispatch.decode_impl('auto', head_dim=64) is
-          pallas_kernels.flash_decode.flash_decode)
+  assert dispatch.decode_impl('auto', head_dim=64) is dispatch.pallas_decode
   # Shapes a kernel cannot take: 'auto' falls back, 'pallas' raises.
   bad_chunk = 12 if backend == 'gpu' else 12 + 1
   assert dispatch.prefill_impl('auto', chunk_size=bad_chunk) is orthros_prefill
@@ -101,8 +98,8 @@ def test_model_runs_through_kernels(monkeypatch, backend):
 
     monkeypatch.setattr(module, name, wrapper)
 
-  interpreted(pallas_kernels.linear_prefill, 'linear_prefill')
-  interpreted(pallas_kernels.flash_decode, 'flash_decode')
+  interpreted(dispatch, 'linear_prefill')
+  interpreted(dispatch, 'flash_decode')
   got = both_phases(config.replace(attention={'impl': 'pallas'}))
   # Traced once per layer: prefill through linear_prefill, decode through
   # flash_decode.

@@ -27,6 +27,9 @@ platform=None fallback on CPU, 7. argument errors.
 from __future__ import annotations
 
 import functools
+import pathlib
+import subprocess
+import sys
 import zlib
 
 import jax
@@ -37,6 +40,7 @@ import pytest
 from orthros_jax import attention
 from orthros_jax.attention import LinearState
 from orthros_jax.attention import WindowPrefix
+from orthros_jax.attention import dispatch
 from orthros_jax.feature_maps import feature_map
 from pallas_kernels.flash_decode import flash_decode
 from pallas_kernels.linear_prefill import linear_prefill
@@ -433,7 +437,7 @@ def test_prefill_gradients(continued, platform):
   diff, _, _, _, window, chunk = _grad_setup(11, continued)
   loss, g = _value_and_grad(functools.partial(
       linear_prefill, window=window, chunk_size=chunk, interpret=True,
-      platform=platform), continued)
+      platform=platform, fallback=attention.orthros_prefill), continued)
   loss_ref, g_ref = _reference_value_and_grad(continued)
   assert_close(loss, loss_ref)
   assert set(g) == set(g_ref) == set(diff)
@@ -542,6 +546,40 @@ def test_prefill_head_dim_mismatch_message(platform):
   with pytest.raises(ValueError, match='shapes q'):
     linear_prefill(**args, window=4, chunk_size=8, interpret=True,
                    platform=platform)
+
+
+def test_kernels_without_their_xla_fallback_say_so():
+  """pallas_kernels imports nothing from orthros_jax: the XLA reference is
+  the caller's `fallback`. Without it, an unforced call on CPU (no kernel)
+  and a prefill gradient are clear errors; dispatch supplies it."""
+  args = _replace()
+  with pytest.raises(ValueError, match="no kernel.*fallback=orthros_jax"):
+    linear_prefill(**args, window=4, chunk_size=8)
+  q, k = _ONES(1, 1, 4, 8), _ONES(1, 16, 2, 8)
+  with pytest.raises(ValueError, match='fallback=orthros_jax.attention.deco'):
+    flash_decode(q, k, k, jnp.asarray([5], jnp.int32))
+
+  def loss(fn, q):
+    return jnp.sum(fn(**dict(args, q=q), window=4, chunk_size=8,
+                      interpret=True, platform='tpu')[0])
+
+  with pytest.raises(ValueError, match='backward pass'):
+    jax.grad(functools.partial(loss, linear_prefill))(args['q'])
+  g = jax.grad(functools.partial(loss, dispatch.pallas_prefill))(args['q'])
+  assert np.isfinite(np.asarray(g)).all()
+  # On CPU the dispatch wrappers lower to the XLA reference.
+  y, _ = dispatch.pallas_prefill(**args, window=4, chunk_size=8)
+  y_ref, _ = attention.orthros_prefill(**args, window=4, chunk_size=8)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+
+
+def test_pallas_kernels_import_nothing_from_orthros_jax():
+  code = ('import sys, pallas_kernels.linear_prefill, '
+          'pallas_kernels.flash_decode, pallas_kernels.common; '
+          "bad = [m for m in sys.modules if m.startswith('orthros_jax')]; "
+          'assert not bad, bad')
+  subprocess.run([sys.executable, '-c', code], check=True,
+                 cwd=str(pathlib.Path(__file__).resolve().parent.parent))
 
 
 DECODE_BAD = {

@@ -1,6 +1,8 @@
 """Both kernels lower for TPU (Mosaic) and CUDA (Triton) on this CPU
 machine via `jax.export` with platform=None (the schedule is chosen at
-lowering time); only Triton's custom-call serialization check is disabled."""
+lowering time), as the model calls them (`dispatch.pallas_prefill` /
+`pallas_decode`: the kernels with their XLA fallbacks); only Triton's
+custom-call serialization check is disabled."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import pytest
 
 from orthros_jax.attention import LinearState
 from orthros_jax.attention import WindowPrefix
-from pallas_kernels.flash_decode import flash_decode
-from pallas_kernels.linear_prefill import linear_prefill
+from orthros_jax.attention.dispatch import pallas_decode
+from orthros_jax.attention.dispatch import pallas_prefill
 
 TRITON = '__gpu$xla.gpu.triton'
 TPU_CALL = 'tpu_custom_call'
@@ -25,7 +27,7 @@ def _prefill_lowering_args(dtype, continued):
   args = (SDS((b, t, h, d), dtype), SDS((b, t, kh, d), dtype),
           SDS((b, t, kh, d), dtype), SDS((b, t, h, f), jnp.float32),
           SDS((b, t, h, f), jnp.float32), SDS((h,), jnp.float32))
-  fn = functools.partial(linear_prefill, window=64, chunk_size=64)
+  fn = functools.partial(pallas_prefill, window=64, chunk_size=64)
   if not continued:
     return fn, args
 
@@ -44,7 +46,7 @@ def _prefill_lowering_args(dtype, continued):
 
 def _decode_lowering_args(dtype):
   b, tq, h, kh, d, s = 2, 1, 8, 2, 128, 4096
-  return flash_decode, (SDS((b, tq, h, d), dtype), SDS((b, s, kh, d), dtype),
+  return pallas_decode, (SDS((b, tq, h, d), dtype), SDS((b, s, kh, d), dtype),
                         SDS((b, s, kh, d), dtype), SDS((b,), jnp.int32))
 
 
@@ -81,7 +83,7 @@ def test_prefill_lowers_for_wide_windows(target, window, chunk, t):
   args = (SDS((1, t, 4, 64), jnp.bfloat16), SDS((1, t, 2, 64), jnp.bfloat16),
           SDS((1, t, 2, 64), jnp.bfloat16), SDS((1, t, 4, 32), jnp.float32),
           SDS((1, t, 4, 32), jnp.float32), SDS((4,), jnp.float32))
-  fn = functools.partial(linear_prefill, window=window, chunk_size=chunk)
+  fn = functools.partial(pallas_prefill, window=window, chunk_size=chunk)
   checks = ([] if target == 'tpu' else
             [jax.export.DisabledSafetyCheck.custom_call(TRITON)])
   text = jax.export.export(jax.jit(fn), platforms=[target],
@@ -95,7 +97,7 @@ def test_decode_lowers_for_a_cache_not_a_multiple_of_the_split(target):
           SDS((2, 57, 2, 128), jnp.bfloat16), SDS((2,), jnp.int32))
   checks = ([] if target == 'tpu' else
             [jax.export.DisabledSafetyCheck.custom_call(TRITON)])
-  text = jax.export.export(jax.jit(flash_decode), platforms=[target],
+  text = jax.export.export(jax.jit(pallas_decode), platforms=[target],
                            disabled_checks=checks)(*args).mlir_module()
   assert (TPU_CALL if target == 'tpu' else TRITON) in text
 

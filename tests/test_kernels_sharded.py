@@ -11,8 +11,8 @@ from orthros_jax.attention import LinearState
 from orthros_jax.attention import WindowPrefix
 from orthros_jax.attention import decode_attention
 from orthros_jax.attention import orthros_prefill
-from pallas_kernels.sharded import sharded_flash_decode
-from pallas_kernels.sharded import sharded_linear_prefill
+from orthros_jax.attention.sharded import sharded_flash_decode
+from orthros_jax.attention.sharded import sharded_linear_prefill
 
 
 def _mesh(data, tensor):

@@ -28,10 +28,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from orthros_jax.attention.orthros import LinearState
 from orthros_jax.attention.orthros import orthros_prefill
 from orthros_jax.attention.softmax import decode_attention
 from orthros_jax.attention.softmax import softmax_attention
+from pallas_kernels.common import zero_state
+from pallas_kernels.flash_decode import flash_decode
+from pallas_kernels.linear_prefill import linear_prefill
 
 IMPLS = ('auto', 'xla', 'pallas', 'none')
 
@@ -42,9 +44,7 @@ def _no_prefill(q, k, v, phi_q, phi_k, gamma, *, initial_state=None,
   del k, v, phi_q, unused
   if initial_state is None:
     b, _, h, d = q.shape
-    f = phi_k.shape[-1]
-    initial_state = LinearState(jnp.zeros((b, h, f, d), jnp.float32),
-                                jnp.zeros((b, h, f), jnp.float32))
+    initial_state = zero_state(b, h, phi_k.shape[-1], d)
   del gamma
   return q, initial_state
 
@@ -52,6 +52,18 @@ def _no_prefill(q, k, v, phi_q, phi_k, gamma, *, initial_state=None,
 def _no_attention(q, *unused_args, **unused_kwargs):
   """impl='none' decode / exact attention: y = q."""
   return q
+
+
+def pallas_prefill(*args, **kwargs):
+  """The Pallas `linear_prefill` with `orthros_prefill` as its fallback
+  (platforms without a kernel) and the function its backward
+  differentiates."""
+  return linear_prefill(*args, fallback=orthros_prefill, **kwargs)
+
+
+def pallas_decode(*args, **kwargs):
+  """The Pallas `flash_decode` with `decode_attention` as its fallback."""
+  return flash_decode(*args, fallback=decode_attention, **kwargs)
 
 
 # The XLA functions and the impl='none' stand-ins (sharded models wrap only
@@ -101,7 +113,7 @@ def _choose(impl: str, what: str, problem: str | None) -> str:
 
 
 def prefill_impl(impl: str, *, chunk_size: int, sinks: int = 0) -> Callable:
-  """`orthros_prefill` or the Pallas `linear_prefill` (same signature)."""
+  """`orthros_prefill` or `pallas_prefill` (same signature)."""
   if impl == 'none':
     return _no_prefill
   backend = _backend()
@@ -114,8 +126,7 @@ def prefill_impl(impl: str, *, chunk_size: int, sinks: int = 0) -> Callable:
     problem = f'chunk_size={chunk_size} is not a power of two (Triton)'
   if _choose(impl, 'prefill', problem) == 'xla':
     return orthros_prefill
-  from pallas_kernels.linear_prefill import linear_prefill
-  return linear_prefill
+  return pallas_prefill
 
 
 # flash_decode keeps all query rows of a kv head (G * Tq) in one program:
@@ -124,7 +135,7 @@ MAX_DECODE_ROWS = 128
 
 
 def decode_impl(impl: str, *, head_dim: int, query_rows: int = 1) -> Callable:
-  """`decode_attention` or the Pallas `flash_decode` (same signature).
+  """`decode_attention` or `pallas_decode` (same signature).
 
   query_rows: G * Tq, the query rows per kv head of the call. Long query
   blocks (above MAX_DECODE_ROWS: a dense prefill, a long exact tail) always
@@ -142,8 +153,7 @@ def decode_impl(impl: str, *, head_dim: int, query_rows: int = 1) -> Callable:
     problem = f'head_dim={head_dim} is not a power of two (Triton)'
   if _choose(impl, 'decode', problem) == 'xla':
     return decode_attention
-  from pallas_kernels.flash_decode import flash_decode
-  return flash_decode
+  return pallas_decode
 
 
 def fresh_prompt_attention(impl: str) -> Callable | None:

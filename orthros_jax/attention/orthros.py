@@ -35,30 +35,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import LinearState
+from pallas_kernels.common import WindowPrefix
+from pallas_kernels.common import zero_state
+
 Array = jax.Array
 
-
-class LinearState(NamedTuple):
-  """Linear-attention state of the tokens older than the window.
-
-  S: [B, H, F, D] float32, sum of phi_k(k_j) v_j^T.
-  z: [B, H, F] float32, sum of phi_k(k_j).
-  """
-  S: Array
-  z: Array
-
-
-class WindowPrefix(NamedTuple):
-  """The tokens just before a continued prefill (a later chat turn).
-
-  k, v: [B, P, K, D]; phi_k: [B, P, H, F]; valid: [B, P] bool. Entry P-1 is
-  the token directly before the first new token. Invalid entries (a history
-  shorter than P) are ignored.
-  """
-  k: Array
-  v: Array
-  phi_k: Array
-  valid: Array
+__all__ = ['LinearState', 'Sinks', 'WindowPrefix', 'fold_into_state',
+           'length_scales', 'orthros_prefill', 'zero_state']
 
 
 class Sinks(NamedTuple):
@@ -72,13 +56,6 @@ class Sinks(NamedTuple):
   v: Array
   valid: Array
   start: Array
-
-
-def zero_state(batch: int, num_heads: int, feature_dim: int,
-               head_dim: int) -> LinearState:
-  return LinearState(
-      jnp.zeros((batch, num_heads, feature_dim, head_dim), jnp.float32),
-      jnp.zeros((batch, num_heads, feature_dim), jnp.float32))
 
 
 def fold_into_state(state: LinearState, phi_k: Array, v: Array,

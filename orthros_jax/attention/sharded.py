@@ -1,5 +1,6 @@
-"""The kernels inside `shard_map`: batch over one mesh axis, heads over
-another, so a sharded model can call them.
+"""The Pallas kernels inside `shard_map`: batch over one mesh axis, heads
+over another, so a sharded model can call them (with their XLA fallbacks,
+as `dispatch.pallas_prefill` / `dispatch.pallas_decode`).
 
 Every argument is split along batch and (query or kv) heads; the kernels are
 independent per example and per kv head group, so each device runs the
@@ -16,11 +17,11 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from orthros_jax.attention.orthros import LinearState
-from orthros_jax.attention.orthros import WindowPrefix
+from orthros_jax.attention.dispatch import pallas_decode
+from orthros_jax.attention.dispatch import pallas_prefill
 from orthros_jax.sharding import check_divisible
-from pallas_kernels.flash_decode import flash_decode
-from pallas_kernels.linear_prefill import linear_prefill
+from pallas_kernels.common import LinearState
+from pallas_kernels.common import WindowPrefix
 
 Array = jax.Array
 Axis = str | tuple[str, ...] | None
@@ -37,13 +38,13 @@ def sharded_linear_prefill(mesh: Mesh, q: Array, k: Array, v: Array,
                            interpret: bool = False,
                            platform: str | None = None
                            ) -> tuple[Array, LinearState]:
-  """`linear_prefill` with batch split over `batch_axis` and heads over
+  """`dispatch.pallas_prefill` with batch split over `batch_axis` and heads over
   `head_axis` of `mesh`."""
   check_divisible(mesh, batch_axis, head_axis, q.shape[0], k.shape[2])
   seq = P(batch_axis, None, head_axis, None)       # [B, T, H|K, X]
   state_spec = LinearState(P(batch_axis, head_axis, None, None),
                            P(batch_axis, head_axis, None))
-  kernel = functools.partial(linear_prefill, window=window,
+  kernel = functools.partial(pallas_prefill, window=window,
                              chunk_size=chunk_size, interpret=interpret,
                              platform=platform)
 
@@ -67,11 +68,11 @@ def sharded_flash_decode(mesh: Mesh, q: Array, k_cache: Array, v_cache: Array,
                          head_axis: Axis = 'tensor', interpret: bool = False,
                          platform: str | None = None,
                          max_split: int = 512) -> Array:
-  """`flash_decode` with batch split over `batch_axis` and heads over
+  """`dispatch.pallas_decode` with batch split over `batch_axis` and heads over
   `head_axis` of `mesh`."""
   check_divisible(mesh, batch_axis, head_axis, q.shape[0], k_cache.shape[2])
   seq = P(batch_axis, None, head_axis, None)
-  kernel = functools.partial(flash_decode, interpret=interpret,
+  kernel = functools.partial(pallas_decode, interpret=interpret,
                              platform=platform, max_split=max_split)
   return jax.shard_map(kernel, mesh=mesh,
                        in_specs=(seq, seq, seq, P(batch_axis)),
