@@ -27,6 +27,8 @@ import numpy as np
 from orthros_jax.cache import Cache
 from orthros_jax.cache import init_cache
 from orthros_jax.config import ModelConfig
+from orthros_jax.conversion import adapter as adapter_lib
+from orthros_jax.evaluation.suite import load_dense
 from orthros_jax.generate import sample_logits
 from orthros_jax.model import Transformer
 
@@ -223,8 +225,6 @@ def load_chat_model(teacher: str, adapter: str | None, attention: str,
   """(config, params, description) for chat.py: 'dense' is the teacher as
   loaded (a Hugging Face directory or a train.py checkpoint), 'orthros' the
   adapter applied to it (exact_tail >= 0 overrides the converted one)."""
-  from orthros_jax.conversion import adapter as adapter_lib  # pylint: disable=g-import-not-at-top
-  from orthros_jax.evaluation.suite import load_dense  # pylint: disable=g-import-not-at-top
   if attention not in ('dense', 'orthros'):
     raise ValueError(f"attention={attention!r}: use 'dense' or 'orthros'")
   config, params, where = load_dense(teacher)

@@ -17,8 +17,8 @@ Files (never pickle):
 `load_model` rebuilds the same model: the parameter tree is checked against
 the config's own (`jax.eval_shape` of its init), and a missing, unexpected
 or mis-shaped tensor is an error naming the file. The reading and atomic
-writing of such directories (`write_tensor_dir`, `read_tensor_dir`) is
-shared with the Orthros adapter (orthros_jax/conversion/adapter.py).
+writing of such directories (`checkpoints/tensor_dir.py`) is shared with
+the Orthros adapter (orthros_jax/conversion/adapter.py).
 
 Command line (the converted SmolLM2 as one directory):
   python -m orthros_jax.checkpoints.export results/smollm2_orthros_model \
@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,9 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orthros_jax.checkpoints.hf import read_json
+from orthros_jax.checkpoints.tensor_dir import read_tensor_dir
+from orthros_jax.checkpoints.tensor_dir import write_tensor_dir
 from orthros_jax.config import ModelConfig
 from orthros_jax.config import model_config_from
+from orthros_jax.conversion import adapter as adapter_lib
+from orthros_jax.evaluation.suite import load_dense
+from orthros_jax.model import Transformer
 
 WEIGHTS = 'model.safetensors'
 CONFIG = 'orthros_model.json'
@@ -54,73 +55,6 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json',
 # numpy (and so safetensors.numpy) stores these as they are; anything else
 # (bfloat16) is stored as float32 and cast back on load.
 _NATIVE = ('float32', 'float16', 'float64', 'int32', 'int64')
-
-
-def write_tensor_dir(out_dir: str | os.PathLike, tensors: Mapping[str, Any],
-                     weights_name: str, config_name: str, meta: dict, *,
-                     copy_files: tuple[str, ...] = ()) -> str:
-  """Writes tensors (safetensors) and meta (JSON) into out_dir atomically
-  (a temporary directory renamed into place: a killed write leaves the old
-  directory or none); copy_files are copied in beside them."""
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-
-  out_dir = os.path.abspath(os.fspath(out_dir))
-  if (os.path.isdir(out_dir) and os.listdir(out_dir)
-      and not os.path.isfile(os.path.join(out_dir, config_name))):
-    raise FileExistsError(
-        f'{out_dir} exists and is not a directory this writer made (no '
-        f'{config_name}): choose another path; nothing was changed')
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}-', dir=parent)
-  os.chmod(tmp, 0o755)
-  try:
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-              os.path.join(tmp, weights_name))
-    with open(os.path.join(tmp, config_name), 'w') as f:
-      json.dump(meta, f, indent=1)
-    for file in copy_files:
-      shutil.copy(file, os.path.join(tmp, os.path.basename(file)))
-    old = None
-    if os.path.isdir(out_dir):  # moved aside whole, then replaced
-      old = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}-old-',
-                             dir=parent)
-      os.replace(out_dir, os.path.join(old, 'previous'))
-    os.replace(tmp, out_dir)
-    if old is not None:
-      shutil.rmtree(old, ignore_errors=True)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return out_dir
-
-
-def read_tensor_dir(path: str | os.PathLike, weights_name: str,
-                    config_name: str, required: tuple[str, ...] = ()
-                    ) -> tuple[dict, dict[str, np.ndarray]]:
-  """(meta, tensors) of a directory written by `write_tensor_dir`; a
-  missing file, a config without the `required` keys or a file that does
-  not parse is an error naming the file."""
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
-
-  path = os.fspath(path)
-  config_file = os.path.join(path, config_name)
-  weights_file = os.path.join(path, weights_name)
-  for f in (config_file, weights_file):
-    if not os.path.isfile(f):
-      raise FileNotFoundError(f'{f} is missing: the directory must hold '
-                              f'{config_name} and {weights_name}')
-  meta = read_json(config_file)
-  missing = [k for k in required if not isinstance(meta, dict) or k not in meta]
-  if missing:
-    raise ValueError(f'{config_file} is not a valid config: it lacks '
-                     f'{missing}')
-  try:
-    tensors = load_file(weights_file)
-  except Exception as e:  # safetensors raises its own error types
-    raise ValueError(f'{weights_file} is not a readable safetensors file '
-                     f'({e}); it may be truncated: copy it again') from e
-  return meta, tensors
 
 
 def _key(path) -> str:
@@ -134,7 +68,6 @@ def _flatten(params) -> dict[str, Any]:
 
 def _abstract_params(config: ModelConfig) -> dict:
   """The config's parameter tree as ShapeDtypeStructs (nothing allocated)."""
-  from orthros_jax.model import Transformer  # pylint: disable=g-import-not-at-top
   tokens = jnp.zeros((1, 1), jnp.int32)
   shapes = jax.eval_shape(lambda: Transformer(config).init(
       jax.random.PRNGKey(0), tokens, phase='forward'))
@@ -234,8 +167,6 @@ def main(argv=None) -> None:
                       help='store this exact_tail in the config (-1: as '
                       'converted)')
   args = parser.parse_args(argv)
-  from orthros_jax.conversion import adapter as adapter_lib  # pylint: disable=g-import-not-at-top
-  from orthros_jax.evaluation.suite import load_dense  # pylint: disable=g-import-not-at-top
   config, params, where = load_dense(args.teacher)
   provenance = {'teacher': where}
   if args.adapter:

@@ -45,6 +45,7 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
+from safetensors.numpy import save_file
 
 from orthros_jax.checkpoints import hf as hf_lib
 from orthros_jax.config import AttentionConfig, ModelConfig
@@ -351,8 +352,6 @@ def export_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> str:
   is reused; any other existing `out_dir` is an error (nothing is
   overwritten).
   """
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-
   path, out_dir = os.fspath(path), os.path.abspath(os.fspath(out_dir))
   file = GGUFFile(path)
   digest = _file_digest(path)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from safetensors import safe_open
 
 from orthros_jax.config import AttentionConfig, ModelConfig, RopeScaling
+from orthros_jax.model import init_orthros_params
 
 SUPPORTED_MODEL_TYPES = ('llama', 'mistral', 'qwen2')
 SUPPORTED_ROPE_TYPES = ('default', 'linear', 'llama3')
@@ -464,8 +465,6 @@ def add_orthros_params(config: ModelConfig, params: Params,
   """`params` plus fresh feature-map and window params when `config` is an
   Orthros model (key `rng`, default PRNGKey(0)); dense params as they are."""
   if config.is_orthros:
-    # Imported lazily: model.py imports attention code this loader never needs.
-    from orthros_jax.model import init_orthros_params
     rng = jax.random.PRNGKey(0) if rng is None else rng
     _merge(params, init_orthros_params(config, rng))
   return params

@@ -28,22 +28,26 @@ naming the file.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
-from orthros_jax.checkpoints.export import read_tensor_dir
-from orthros_jax.checkpoints.export import write_tensor_dir
+from orthros_jax.checkpoints.tensor_dir import read_tensor_dir
+from orthros_jax.checkpoints.tensor_dir import write_tensor_dir
 from orthros_jax.checkpoints.hf import read_json
 from orthros_jax.config import ModelConfig
 from orthros_jax.config import model_config_from
+from orthros_jax.conversion import teacher as teacher_lib
 from orthros_jax.conversion.lora import DEFAULT_TARGETS
 from orthros_jax.conversion.lora import merge_lora
 from orthros_jax.conversion.transfer import TRANSFER_PARAMS
+from orthros_jax.training import checkpoint as ckpt_lib
 
 WEIGHTS = 'adapter.safetensors'
 CONFIG = 'adapter_config.json'
@@ -125,8 +129,6 @@ def adapter_parts(path: str | os.PathLike, base_config: ModelConfig,
   base: the base weights with the adapter's feature maps and window
   weights, and its LoRA factors {layer: {proj: {'a', 'b'}}} ({} for a
   stage-1 adapter), unmerged so that training can continue them."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
   meta, tensors = read_adapter(path)
   config = model_config_from(meta['model_config'])
   where = os.path.join(os.fspath(path), CONFIG)
@@ -267,9 +269,6 @@ def export_from_conversion(workdir: str | os.PathLike,
   checkpoint alone (no LoRA: attention transfer only)."""
   if stage not in ('stage1', 'stage2'):
     raise ValueError(f"stage={stage!r}: expected 'stage1' or 'stage2'")
-  from orthros_jax.conversion import pipeline  # pylint: disable=g-import-not-at-top
-  from orthros_jax.training import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-
   workdir = os.path.abspath(os.fspath(workdir))
   config_file = os.path.join(workdir, 'config.json')
   if not os.path.isfile(config_file):
@@ -286,8 +285,8 @@ def export_from_conversion(workdir: str | os.PathLike,
                      'no adapter; ship its params instead')
   else:
     params, lora = params['base'], params['lora']
-  teacher, teacher_params, info = pipeline.load_teacher(cfg['teacher'])
-  config = pipeline.orthros_config(teacher, cfg['attention'])
+  teacher, teacher_params, info = teacher_lib.load_teacher(cfg['teacher'])
+  config = teacher_lib.orthros_config(teacher, cfg['attention'])
   alpha = float(cfg['stage2'].get('lora_alpha', 16.0))
   return write_adapter(
       out_dir, config, teacher_params, params, lora, alpha=alpha,
@@ -296,8 +295,6 @@ def export_from_conversion(workdir: str | os.PathLike,
 
 
 def main(argv=None) -> None:
-  import argparse  # pylint: disable=g-import-not-at-top
-
   parser = argparse.ArgumentParser(
       description='Write the Orthros adapter (feature maps, window weights, '
       'LoRA factors) of a convert.py workdir.')

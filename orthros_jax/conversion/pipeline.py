@@ -53,8 +53,6 @@ import jax.numpy as jnp
 import tqdm
 
 from orthros_jax import sharding
-from orthros_jax.checkpoints.hf import load_hf
-from orthros_jax.checkpoints.hf import read_json
 from orthros_jax.config import AttentionConfig
 from orthros_jax.config import ModelConfig
 from orthros_jax.conversion import adapter as adapter_lib
@@ -63,16 +61,19 @@ from orthros_jax.conversion.adapter import stage1_from_adapter
 from orthros_jax.conversion.adapter import stage2_from_adapter
 from orthros_jax.conversion.lora import init_lora
 from orthros_jax.conversion.lora import merge_lora
+from orthros_jax.conversion.teacher import init_student
+from orthros_jax.conversion.teacher import load_teacher
+from orthros_jax.conversion.teacher import orthros_attention
+from orthros_jax.conversion.teacher import orthros_config
 from orthros_jax.conversion.transfer import TRANSFER_PARAMS
 from orthros_jax.data import get_tokenizer
 from orthros_jax.data import make_dataset
 from orthros_jax.evaluation import inference
-from orthros_jax.model import init_orthros_params
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.training import loop
 from orthros_jax.training import step as step_lib
+from orthros_jax.training.metrics import read_metrics
 from orthros_jax.training.train_lm import make_data
-from orthros_jax.config import model_config_from
 from orthros_jax.config import plain as _plain
 
 _STAGE_KEYS = {'tokens'} | {f for f in loop.TrainConfig.__dataclass_fields__
@@ -84,78 +85,6 @@ _STAGE2_KEYS = _STAGE_KEYS | {'lora_rank', 'lora_alpha', 'kl_weight',
 
 
 # ----------------------------------------------------------------- teacher
-
-
-def load_teacher(teacher_cfg: Mapping[str, Any]
-                 ) -> tuple[ModelConfig, dict, dict]:
-  """(dense config, params, info) of the teacher named by `teacher_cfg`:
-  exactly one of checkpoint (a train.py workdir or checkpoints dir) and
-  hf_dir (a local Hugging Face Llama/Mistral/Qwen2 directory)."""
-  ckpt = teacher_cfg.get('checkpoint') or ''
-  hf_dir = teacher_cfg.get('hf_dir') or ''
-  if bool(ckpt) == bool(hf_dir):
-    raise ValueError('set exactly one of teacher.checkpoint (a train.py '
-                     'workdir) and teacher.hf_dir (a Hugging Face directory); '
-                     f'got checkpoint={ckpt!r}, hf_dir={hf_dir!r}')
-  if hf_dir:
-    config, params = load_hf(hf_dir)
-    return config, params, {'source': 'hf', 'path': os.path.abspath(hf_dir),
-                            'train_tokens': teacher_cfg.get('train_tokens')}
-  step = teacher_cfg.get('step')
-  step = None if step is None or step < 0 else step
-  params, config_dict, step = ckpt_lib.load_params(ckpt, step)
-  config = model_config_from(config_dict)
-  if config.is_orthros:
-    raise ValueError(
-        f'the teacher checkpoint {ckpt} is already an Orthros model '
-        f'(attention.kind={config.attention.kind!r}); convert a dense model')
-  ckpt_lib.check_params(config, params, f'teacher checkpoint {ckpt}')
-  tokens = teacher_cfg.get('train_tokens') or _train_tokens(ckpt, step)
-  return config, params, {'source': 'checkpoint',
-                          'path': os.path.abspath(ckpt), 'step': step,
-                          'train_tokens': tokens}
-
-
-def _train_tokens(workdir: str, step: int) -> int | None:
-  """Tokens the teacher was trained on (steps x batch x seq_len), from the
-  config.json train.py writes in its workdir; None when unknown."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.isfile(path):
-    return None
-  cfg = read_json(path)
-  try:
-    return int(step) * int(cfg['data']['batch_size']) * int(
-        cfg['data']['seq_len'])
-  except (KeyError, TypeError, ValueError):
-    return None
-
-
-def orthros_attention(attention: AttentionConfig | Mapping[str, Any]
-                      ) -> AttentionConfig:
-  """The converted model's AttentionConfig; raises unless kind='orthros'."""
-  if not isinstance(attention, AttentionConfig):
-    attention = AttentionConfig(**_plain(attention))
-  if not attention.kind == 'orthros':
-    raise ValueError(f"attention.kind={attention.kind!r}: convert.py builds "
-                     "an Orthros model, set attention.kind='orthros'")
-  return attention
-
-
-def orthros_config(teacher: ModelConfig,
-                   attention: AttentionConfig | Mapping[str, Any]
-                   ) -> ModelConfig:
-  """The teacher's config with Orthros `attention` (checked)."""
-  return teacher.replace(attention=orthros_attention(attention))
-
-
-def init_student(teacher_params: dict, config: ModelConfig,
-                 rng: jax.Array) -> dict:
-  """The teacher's params plus fresh feature maps and window weights."""
-  params = jax.tree.map(jnp.copy, teacher_params)
-  for layer, extra in init_orthros_params(config, rng).items():
-    params[layer] = dict(params[layer], attn=dict(params[layer]['attn'],
-                                                  **extra['attn']))
-  return params
 
 
 # ----------------------------------------------------------------- stages
@@ -192,7 +121,6 @@ def _stage_summary(history: list[dict], workdir: str, steps: int,
                    tokens_per_step: int) -> dict:
   """Losses at the start and end of a stage, from its metrics.jsonl (which
   also covers steps run before a resume)."""
-  from orthros_jax.training.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   rows = [r for r in read_metrics(workdir) if 'loss' in r]
   if not rows:
     rows = [dict(h) for h in history]

@@ -56,6 +56,7 @@ import argparse
 import ast
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -68,6 +69,12 @@ import tempfile
 import time
 import warnings
 from typing import Any, Iterator, Sequence
+
+from tqdm import tqdm
+
+from orthros_jax.data import synthetic
+from orthros_jax.data.text import read_documents
+from orthros_jax.data.tokenizers import get_tokenizer
 
 CORPUS_FORMAT = 1  # bump when the extraction or the output format changes
 SPLITS = ('train', 'heldout')
@@ -89,7 +96,6 @@ def stdlib_root() -> str:
 
 def _normalize(text: str) -> str:
   """The haystack's normalization (ASCII typography, whitespace collapsed), lowercased."""
-  from orthros_jax.data import synthetic  # pylint: disable=g-import-not-at-top
   text = text.translate(synthetic._ASCII)  # pylint: disable=protected-access
   text = text.encode('ascii', 'ignore').decode('ascii')
   return ' '.join(text.split()).lower()
@@ -108,7 +114,6 @@ def eval_phrases() -> dict[str, str]:
   Template pieces come from every module-level upper-case `str` (or tuple of
   `str`) of EVAL_MODULES; the essay haystack adds each of its sentences.
   """
-  import importlib  # pylint: disable=g-import-not-at-top
   phrases: dict[str, str] = {}
   for module_name in EVAL_MODULES:
     module = importlib.import_module(module_name)
@@ -223,11 +228,7 @@ def extract_document(source: bytes | str) -> str:
 
 def _documents(root: str, files: Sequence[str], progress: bool) -> Iterator[tuple[str, str | None]]:
   """(relative path, document or None when unparsable) per file, in order."""
-  try:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  except ImportError:  # pragma: no cover
-    tqdm = None
-  it = tqdm(files, desc='stdlib files', unit='file') if progress and tqdm else files
+  it = tqdm(files, desc='stdlib files', unit='file') if progress else files
   for rel in it:
     with open(os.path.join(root, rel), 'rb') as f:
       source = f.read()
@@ -385,8 +386,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def count_tokens(out_dir: str | os.PathLike, tokenizer) -> dict[str, int]:
   """Tokens of each split as the text pipeline packs them (each document
   then its eos)."""
-  from orthros_jax.data.text import read_documents  # pylint: disable=g-import-not-at-top
-  from orthros_jax.data.tokenizers import get_tokenizer  # pylint: disable=g-import-not-at-top
   tok = get_tokenizer(tokenizer)
   return {split: sum(len(tok.encode(doc)) + 1 for doc in read_documents(
       os.path.join(os.fspath(out_dir), f'{split}.jsonl')))

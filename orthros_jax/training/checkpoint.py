@@ -26,6 +26,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from orthros_jax.config import ModelConfig
+from orthros_jax.model import Transformer
 from orthros_jax.training.optim import path_str
 from orthros_jax.training.state import TrainState
 
@@ -59,7 +60,6 @@ def check_params(config, params, where: str) -> None:
   """Raises ValueError naming the missing, unexpected and wrongly shaped
   entries when `params` do not fit the model of `config` (a ModelConfig);
   `where` names the params in the message."""
-  from orthros_jax.model import Transformer  # pylint: disable=g-import-not-at-top
   want = _flat_shapes(jax.eval_shape(
       lambda: nn.unbox(Transformer(config).init(
           jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32),
