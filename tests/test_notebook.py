@@ -33,6 +33,6 @@ def test_notebook_runs_headless(tmp_path, monkeypatch):
   assert 'backend: cpu' in text
   assert text.count('[TTFT') == 2  # one turn, dense and Orthros
   assert 'passkey {' in text and 'niah {' in text
-  assert "'window_sinks'" in text
+  assert "'window_sinks'" in text and "'linear'" in text
   assert 'orthros N=  256' in text and '    none N=  256' in text
   assert images == 2  # the retrieval bars and the TTFT plot
