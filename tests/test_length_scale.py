@@ -157,3 +157,38 @@ def test_conversion_init_and_stage1_train_the_exponents():
   assert transfer.is_transfer_param((jax.tree_util.DictKey('length_exponent'),))
   for i in range(config.num_layers):
     assert np.abs(grads[f'layers_{i}']['attn']['length_exponent']).sum() > 0
+
+
+
+def test_pure_linear_row_of_a_length_scaled_model():
+  """The pure-linear floor of a length-scaled conversion (eval.py's
+  'linear' row, convert.py's held-out check) drops the scale, which loses
+  nothing: with window 0 and no sinks a positive factor per query cancels
+  in the normalisation (checked on the formula with random factors)."""
+  from orthros_jax.evaluation.inference import pure_linear
+  from orthros_jax.evaluation import variants
+  config = make_config(window=4, sinks=2).replace(
+      attention={'length_scale': True})
+  params = _with_exponents(init_params(config))
+  floor = pure_linear(config)  # raised before: length_scale with window 0
+  assert not floor.attention.length_scale and not floor.attention.window
+  rows, _ = variants.converted_rows(config, params, ['linear'], sinks=2,
+                                    where='x')
+  assert rows['linear'][0] == floor
+  x = random_tokens(6, (2, 23))
+  logits, _ = run(floor, params, x, phase='prefill',
+                  cache=oj.init_cache(floor, 2, 23), all_logits=True)
+  assert np.isfinite(np.asarray(logits)).all()
+  rng = np.random.default_rng(0)
+  b, t, h, kh, d, f = 2, 19, 4, 2, 6, 5
+  q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
+             for s in ((b, t, h, d), (b, t, kh, d), (b, t, kh, d)))
+  pq, pk = (jnp.asarray(rng.uniform(0.1, 1, size=(b, t, h, f)), jnp.float32)
+            for _ in range(2))
+  gamma = jnp.full((h,), 0.3, jnp.float32)
+  scale = jnp.asarray(rng.uniform(0.2, 5, size=(b, t, h, 1)), jnp.float32)
+  y1, _ = attn_lib.orthros_prefill(q, k, v, pq, pk, gamma, window=0,
+                                   chunk_size=4)
+  y2, _ = attn_lib.orthros_prefill(q, k, v, pq * scale, pk, gamma, window=0,
+                                   chunk_size=4)
+  np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-6)

@@ -48,8 +48,12 @@ _DECODE_BUCKET = 16  # decode lengths are padded to a multiple (fewer compiles)
 
 def pure_linear(config: ModelConfig) -> ModelConfig:
   """The floor of every report: the same model with window 0, no sinks and
-  no exact tail (score it with mode='prefill')."""
-  return config.replace(attention={'window': 0, 'exact_tail': 0, 'sinks': 0})
+  no exact tail (score it with mode='prefill'). A length scale is dropped:
+  it multiplies all of a query's linear weights by one factor, which the
+  pure-linear normalisation cancels (its `length_exponent` params are then
+  unused)."""
+  return config.replace(attention={'window': 0, 'exact_tail': 0, 'sinks': 0,
+                                   'length_scale': False})
 
 
 def scoring_layout(batch: dict, config: ModelConfig, mode: str
