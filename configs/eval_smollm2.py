@@ -12,8 +12,8 @@ teacher and Orthros only, passkey and niah at 2K (100 examples) and 4K (50);
 same cells as '', so a later '' run in the same --out reuses them; the
 teacher's and Orthros' are the first 30 of main's when main ran in that
 --out);
-'lm_eval' LoLCATs' zero-shot suite through lm-evaluation-harness (PIQA,
-ARC-e/c, HellaSwag, Winogrande, MMLU) on the teacher, dense, window +
+'lm_eval' LoLCATs' suite through lm-evaluation-harness (PIQA, ARC-e/c,
+HellaSwag, Winogrande zero-shot; MMLU 5-shot, as their tables) on the teacher, dense, window +
 sinks, Orthros and pure-linear rows (needs `pip install lm-eval==0.4.13`
 and the tasks' datasets: hub access or a filled Hugging Face cache; any
 arg runs named tasks with --config.lm_eval.tasks="('piqa',)");
@@ -88,7 +88,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.speed = dict(lengths=(1024, 2048, 4096, 8192), batch=1, decode_batch=1,
                  reps=3)
   # lm-evaluation-harness tasks (orthros_jax/evaluation/lm_harness.py); runs
-  # only when tasks is not empty. num_fewshot < 0: each task's default;
+  # only when tasks is not empty. num_fewshot: one count or {task: count};
+  # < 0: each task's default;
   # limit 0: every example.
   c.lm_eval = dict(tasks=(), include_path='', num_fewshot=0, limit=0,
                    max_length=2048, batch_size=8, max_gen_toks=256,
@@ -122,8 +123,13 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
     c.tasks = {}
     c.quality = {}
     c.speed = {}
-    c.lm_eval.tasks = ('piqa', 'arc_easy', 'arc_challenge', 'hellaswag',
-                       'winogrande', 'mmlu')
+    # LoLCATs' tables: MMLU 5-shot, the rest zero-shot.
+    c.lm_eval = dict(
+        c.lm_eval.to_dict(),
+        tasks=('piqa', 'arc_easy', 'arc_challenge', 'hellaswag', 'winogrande',
+               'mmlu'),
+        num_fewshot={'piqa': 0, 'arc_easy': 0, 'arc_challenge': 0,
+                     'hellaswag': 0, 'winogrande': 0, 'mmlu': 5})
   elif arg == 'quick':
     c.models = ('teacher', 'window_sinks', 'orthros', 'linear')
     quick = dict(lengths=(1024, 2048), depths=(0.25, 0.75),

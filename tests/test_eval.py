@@ -360,6 +360,8 @@ def test_eval_smollm2_variants():
   assert set(harness.lm_eval.tasks) == {'piqa', 'arc_easy', 'arc_challenge',
                                         'hellaswag', 'winogrande', 'mmlu'}
   assert {'teacher', 'orthros', 'linear'} <= set(harness.models)
+  assert harness.lm_eval.num_fewshot.mmlu == 5
+  assert harness.lm_eval.num_fewshot.piqa == 0
   assert not harness.tasks and not harness.quality and not harness.speed
 
 

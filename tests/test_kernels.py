@@ -459,7 +459,8 @@ def test_prefill_default_platform_on_cpu_is_reference(use_jit):
                           lengths=lengths)
   args = [x[n] for n in ARGS]
   lens = jnp.asarray(lengths, jnp.int32)
-  fn = functools.partial(linear_prefill, window=7, chunk_size=8)
+  # With its XLA fallback (as dispatch calls it); without one: below.
+  fn = functools.partial(dispatch.pallas_prefill, window=7, chunk_size=8)
   got = (jax.jit(fn) if use_jit else fn)(*args, lengths=lens)
   want = xla_prefill(7, 8)(*args, lengths=lens)
   check_prefill_pair(got, want, lengths=lengths, tol=TOL32)
@@ -470,7 +471,7 @@ def test_decode_default_platform_on_cpu_is_reference(use_jit):
   q, k, v, lengths = _decode_inputs(22, lengths=LENGTHS, tq=5, s=45, h=4,
                                     kh=2, d=16, garbage='large',
                                     dtype=jnp.float32)
-  fn = jax.jit(flash_decode) if use_jit else flash_decode
+  fn = jax.jit(dispatch.pallas_decode) if use_jit else dispatch.pallas_decode
   assert_close(fn(q, k, v, lengths),
                jitted(attention.decode_attention)(q, k, v, lengths))
 
@@ -480,14 +481,14 @@ def test_decode_default_platform_non_pow2_head_dim(where):
   if where == 'tpu_export':
     args = (SDS((2, 1, 8, 96), jnp.float32), SDS((2, 256, 2, 96), jnp.float32),
             SDS((2, 256, 2, 96), jnp.float32), SDS((2,), jnp.int32))
-    text = jax.export.export(jax.jit(flash_decode), platforms=['tpu'])(
-        *args).mlir_module()
+    text = jax.export.export(jax.jit(dispatch.pallas_decode),
+                             platforms=['tpu'])(*args).mlir_module()
     assert TPU_CALL in text
     return
   q, k, v, lengths = _decode_inputs(23, lengths=(9, 20), tq=1, s=20, h=4,
                                     kh=2, d=12, garbage='large',
                                     dtype=jnp.float32)
-  assert_close(jax.jit(flash_decode)(q, k, v, lengths),
+  assert_close(jax.jit(dispatch.pallas_decode)(q, k, v, lengths),
                jitted(attention.decode_attention)(q, k, v, lengths))
 
 
@@ -537,7 +538,8 @@ def test_prefill_bad_arguments(case, platform):
   kw = dict(kw)
   kw.setdefault('platform', platform)
   with pytest.raises(ValueError):
-    linear_prefill(**args, interpret=True, **kw)
+    linear_prefill(**args, interpret=True, fallback=attention.orthros_prefill,
+                   **kw)
 
 
 @pytest.mark.parametrize('platform', PLATFORMS)
@@ -599,7 +601,8 @@ DECODE_BAD = {
 def test_decode_bad_arguments(case):
   q, k, v, kw = DECODE_BAD[case]
   with pytest.raises(ValueError):
-    flash_decode(q, k, v, jnp.asarray([5], jnp.int32), interpret=True, **kw)
+    flash_decode(q, k, v, jnp.asarray([5], jnp.int32), interpret=True,
+                 fallback=attention.decode_attention, **kw)
 
 
 # ----------------------------------------------------------------------------

@@ -72,7 +72,8 @@ def test_loglikelihood_equals_inference_path_scoring(orthros, batch_size):
     if ctx:
       ctx_ids, cont_ids = lm._encode_pair(ctx, cont)
     else:
-      ctx_ids, cont_ids = [TOK.eos_id], TOK.encode(cont)
+      # An empty context gets the prefix token: bos, as lm-eval's HF model.
+      ctx_ids, cont_ids = [TOK.bos_id], TOK.encode(cont)
     s = inference.score_batch(config, params, _one_batch(lm, ctx_ids,
                                                          cont_ids))
     assert ll == pytest.approx(-float(s['nll_sum'][0]), rel=1e-5, abs=1e-5)
@@ -141,10 +142,10 @@ def test_rolling_loglikelihood_is_one_prefill_per_window(orthros):
   while start < len(ids):  # disjoint windows of 16 predicted tokens
     end = min(start + 16, len(ids))
     pred = ids[start:end]
-    # lm-eval's windows: eot before the first; a later one reads the tokens
+    # lm-eval's windows: the prefix token (bos) before the first; a later one reads the tokens
     # before it up to 16 + 1 in all (one for a full window, more for the
     # last, shorter one).
-    ctx = [TOK.eos_id] if start == 0 else ids[min(start - 1, end - 17):start]
+    ctx = [TOK.bos_id] if start == 0 else ids[min(start - 1, end - 17):start]
     whole = np.asarray([ctx + pred], np.int32)
     cache = oj.init_cache(config, 1, whole.shape[1])
     logits, _ = run(config, params, whole[:, :-1], phase='prefill',
@@ -156,7 +157,7 @@ def test_rolling_loglikelihood_is_one_prefill_per_window(orthros):
     pos = np.arange(len(ctx) - 1, whole.shape[1] - 1)
     want += logp[pos, whole[0, pos + 1]].sum()
     start += 16
-  assert len(ids) > 32 and len(ids) % 16  # three windows, the last short
+  assert len(ids) > 32 and len(ids) % 16  # several windows, the last short
   assert got == pytest.approx(want, rel=1e-5)
 
 
@@ -172,8 +173,14 @@ def test_bad_arguments_are_clear_errors(orthros):
   with pytest.raises(ValueError, match='only greedy'):
     lm.generate_until([Instance('generate_until', {},
                                 ('hi', {'do_sample': True}), 0)])
+  with pytest.raises(ValueError, match='does not fit max_length=8'):
+    lm_harness.HarnessLM(config, params, TOK, max_length=8).score_tokens(
+        [([3], list(range(3, 12)))])
   with pytest.raises(ValueError, match='name at least one task'):
     lm_harness.run_tasks({'orthros': (config, params, 'generate')}, (), TOK)
+  with pytest.raises(ValueError, match=r"names tasks \['mmlu'\]"):
+    lm_harness.run_tasks({'orthros': (config, params, 'generate')}, ('x',),
+                         TOK, num_fewshot={'mmlu': 5})
 
 
 def _write_tasks(tmp_path, mc_docs, gen_docs):

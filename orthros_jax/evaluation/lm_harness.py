@@ -85,6 +85,12 @@ class HarnessLM(TemplateLM):
   def eot_token_id(self) -> int:
     return int(self.tok.eos_id)
 
+  @property
+  def prefix_token_id(self) -> int:
+    # As lm-eval's Hugging Face model: bos when the tokenizer has one.
+    bos = getattr(self.tok, 'bos_id', None)
+    return int(self.eot_token_id if bos is None else bos)
+
   def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                  **kwargs) -> list[int]:
     del add_special_tokens, kwargs  # the project's tokenizers add none
@@ -107,7 +113,11 @@ class HarnessLM(TemplateLM):
         raise ValueError(f'request {i}: empty continuation')
       if not ctx:
         raise ValueError(f'request {i}: empty context (lm-eval gives an '
-                         'empty-context request the eot token)')
+                         'empty-context request the prefix token)')
+      if len(cont) > self.max_length:
+        raise ValueError(f'request {i}: a continuation of {len(cont)} tokens '
+                         f'does not fit max_length={self.max_length} with '
+                         'one token of context; raise max_length')
       whole = (list(ctx) + list(cont))[-(self.max_length + 1):]
       cut.append((whole, len(whole) - len(cont)))
     # Longest first, so a batch's rows have similar widths.
@@ -197,31 +207,47 @@ def _numbers(task_result: Mapping[str, Any]) -> dict[str, float]:
 
 def run_tasks(models: Mapping[str, tuple[ModelConfig, dict, str]],
               tasks: Sequence[str], tokenizer, *, include_path: str = '',
-              num_fewshot: int | None = None, limit: int | None = None,
+              num_fewshot: int | Mapping[str, int] | None = None,
+              limit: int | None = None,
               max_length: int = 2048, batch_size: int = 1,
               max_gen_toks: int = 256, seed: int = 1234
               ) -> dict[str, dict[str, dict[str, float]]]:
   """{row: {task: {metric: value}}} of lm-eval `tasks` on every row.
 
-  include_path: a directory of task YAMLs (local tasks); limit: examples
-  per task (None: all); seed: lm-eval's random, numpy and fewshot seeds.
+  include_path: a directory of task YAMLs (local tasks); num_fewshot: one
+  count for every task, {task: count} (tasks not named: their default),
+  or None (each task's default); limit: examples per task (None: all);
+  seed: lm-eval's random, numpy and fewshot seeds.
   """
   from lm_eval import evaluator  # pylint: disable=g-import-not-at-top
   from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
   if not tasks:
     raise ValueError('lm_eval: name at least one task')
+  shots = (dict(num_fewshot) if isinstance(num_fewshot, Mapping)
+           else {t: num_fewshot for t in tasks})
+  unknown = sorted(set(shots) - set(tasks))
+  if unknown:
+    raise ValueError(f'lm_eval: num_fewshot names tasks {unknown} that are '
+                     f'not run ({list(tasks)})')
+  groups: dict[int | None, list[str]] = {}
+  for task in tasks:
+    n = shots.get(task)
+    groups.setdefault(None if n is None else int(n), []).append(task)
   manager = TaskManager(include_path=include_path or None)
   out: dict[str, dict[str, dict[str, float]]] = {}
   for name, (config, params, path) in models.items():
     lm = HarnessLM(config, params, tokenizer, path=path,
                    max_length=max_length, batch_size=batch_size,
                    max_gen_toks=max_gen_toks)
-    res = evaluator.simple_evaluate(
-        model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-        task_manager=manager, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=seed,
-        bootstrap_iters=0, log_samples=False)
-    out[name] = {task: _numbers(r) for task, r in res['results'].items()}
+    out[name] = {}
+    for n, group in groups.items():
+      res = evaluator.simple_evaluate(
+          model=lm, tasks=group, num_fewshot=n, limit=limit,
+          task_manager=manager, random_seed=seed, numpy_random_seed=seed,
+          torch_random_seed=seed, fewshot_random_seed=seed,
+          bootstrap_iters=0, log_samples=False)
+      out[name].update({task: _numbers(r)
+                        for task, r in res['results'].items()})
   return out
 
 

@@ -367,6 +367,20 @@ def run_speed(models, speed_cfg: Mapping[str, Any], progress: bool) -> dict:
   return {'rows': rows, 'ratios': speed_lib.ratios(rows)}
 
 
+LM_EVAL_KEYS = ('tasks', 'include_path', 'num_fewshot', 'limit', 'max_length',
+                'batch_size', 'max_gen_toks', 'seed')
+
+
+def check_lm_eval_config(cfg: Mapping[str, Any]) -> dict:
+  """The lm_eval section as a plain dict; unknown keys are an error
+  (checked before any section runs)."""
+  cfg = _plain(cfg)
+  unknown = sorted(set(cfg) - set(LM_EVAL_KEYS))
+  if unknown:
+    raise ValueError(f'lm_eval: unknown keys {unknown}')
+  return cfg
+
+
 def run_lm_eval(models, cfg: Mapping[str, Any], tokenizer) -> dict:
   """{'results': {row: {task: {metric: value}}}, 'table': markdown} of
   lm-eval tasks on every row (cfg: tasks,
@@ -374,17 +388,16 @@ def run_lm_eval(models, cfg: Mapping[str, Any], tokenizer) -> dict:
   max_length, batch_size, max_gen_toks, seed)."""
   # lm-eval is an optional dependency: imported only when the section runs.
   from orthros_jax.evaluation import lm_harness  # pylint: disable=g-import-not-at-top
-  cfg = _plain(cfg)
-  unknown = sorted(set(cfg) - {'tasks', 'include_path', 'num_fewshot',
-                               'limit', 'max_length', 'batch_size',
-                               'max_gen_toks', 'seed'})
-  if unknown:
-    raise ValueError(f'lm_eval: unknown keys {unknown}')
+  cfg = check_lm_eval_config(cfg)
   shots = cfg.get('num_fewshot', -1)
+  if isinstance(shots, Mapping):
+    shots = {t: int(n) for t, n in shots.items() if int(n) >= 0}
+  else:
+    shots = None if shots is None or int(shots) < 0 else int(shots)
   res = lm_harness.run_tasks(
       models, tuple(cfg['tasks']), tokenizer,
       include_path=cfg.get('include_path') or '',
-      num_fewshot=None if shots is None or int(shots) < 0 else int(shots),
+      num_fewshot=shots,
       limit=int(cfg.get('limit') or 0) or None,
       max_length=int(cfg.get('max_length', 2048)),
       batch_size=int(cfg.get('batch_size', 1)),
@@ -559,6 +572,8 @@ def run(config, out_dir: str | os.PathLike) -> dict:
   out_dir = os.path.abspath(os.fspath(out_dir))
   os.makedirs(out_dir, exist_ok=True)
   progress = bool(config.get('progress', True))
+  if config.get('lm_eval'):
+    check_lm_eval_config(config.lm_eval)  # before any expensive section
   models, descriptions = load_models(config)
   names = list(models)
   tokenizer = get_tokenizer(config.get('tokenizer', 'byte'))
