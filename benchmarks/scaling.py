@@ -85,7 +85,6 @@ def measure(kind: str, n: int) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from orthros_jax import Transformer
   from orthros_jax import init_cache
   from orthros_jax import sharding
   from orthros_jax.evaluation.speed import _memory_bytes
@@ -99,7 +98,7 @@ def measure(kind: str, n: int) -> dict:
       jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, t)),
                   jnp.int32), part.sharding((None, 'length'), (1, t)))
   cache = part.shard_cache(init_cache(config, 1, t))
-  model = Transformer(config)
+  model = part.model(config)  # its attention backend on this mesh
 
   def prefill(params, tokens, cache):
     logits, cache = model.apply({'params': params}, tokens, phase='prefill',

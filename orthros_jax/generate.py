@@ -23,7 +23,7 @@ import numpy as np
 from orthros_jax.cache import Cache
 from orthros_jax.cache import init_cache
 from orthros_jax.config import ModelConfig
-from orthros_jax.model import Transformer
+from orthros_jax.model import transformer
 
 Array = jax.Array
 
@@ -77,36 +77,41 @@ def sample_logits(logits: Array, rng: Array | None, *, temperature: float = 0.0,
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=('config',),
+@functools.partial(jax.jit, static_argnames=('config', 'placement'),
                    donate_argnames=('cache',))
 def prefill(config: ModelConfig, params, tokens: Array, lengths: Array,
-            cache: Cache) -> tuple[Array, Cache]:
-  """Prefill right-padded prompts; returns last-token logits [B, V]."""
-  return Transformer(config).apply({'params': params}, tokens, phase='prefill',
-                                   cache=cache, lengths=lengths)
+            cache: Cache, placement=None) -> tuple[Array, Cache]:
+  """Prefill right-padded prompts; returns last-token logits [B, V].
+  placement: the mesh of a sharded run (`Partitioner.placement`)."""
+  return transformer(config, placement).apply(
+      {'params': params}, tokens, phase='prefill', cache=cache,
+      lengths=lengths)
 
 
-@functools.partial(jax.jit, static_argnames=('config',),
+@functools.partial(jax.jit, static_argnames=('config', 'placement'),
                    donate_argnames=('cache',))
 def decode(config: ModelConfig, params, tokens: Array, cache: Cache,
-           lengths: Array | None = None) -> tuple[Array, Cache]:
+           lengths: Array | None = None, placement=None
+           ) -> tuple[Array, Cache]:
   """Exact attention of tokens [B, Tq] over the cache; logits [B, Tq, V].
   lengths: [B] tokens of each row to append (right-padded rows)."""
-  return Transformer(config).apply({'params': params}, tokens, phase='decode',
-                                   cache=cache, lengths=lengths)
+  return transformer(config, placement).apply(
+      {'params': params}, tokens, phase='decode', cache=cache,
+      lengths=lengths)
 
 
 @functools.partial(
     jax.jit, static_argnames=('config', 'max_new_tokens', 'temperature',
-                              'top_k', 'top_p', 'eos_id', 'pad_id'),
+                              'top_k', 'top_p', 'eos_id', 'pad_id',
+                              'placement'),
     donate_argnames=('cache',))
 def decode_loop(config: ModelConfig, params, first_logits: Array, cache: Cache,
                 rng: Array, *, max_new_tokens: int, temperature: float,
                 top_k: int | None, top_p: float | None, eos_id: int | None,
-                pad_id: int) -> tuple[Array, Array, Cache]:
+                pad_id: int, placement=None) -> tuple[Array, Array, Cache]:
   """Samples up to max_new_tokens tokens; returns (tokens [B, N], done [B],
   cache). The cache holds every token except the last generated one."""
-  model = Transformer(config)
+  model = transformer(config, placement)
   b = first_logits.shape[0]
   rng, sub = jax.random.split(rng)
   first = sample_logits(first_logits, sub, temperature=temperature,
@@ -220,7 +225,9 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
   width = int(tails.max())  # the tail decode's width; shorter tails padded
 
   context = contextlib.nullcontext()
+  placement = None
   if partitioner is not None:
+    placement = partitioner.placement
     seq = partitioner.sequence_axis
     if seq is not None:
       n = partitioner.mesh.shape[seq]
@@ -231,13 +238,13 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
     cache = partitioner.shard_cache(cache)
   with context:
     logits, cache = prefill(config, params, jnp.asarray(tokens),
-                            jnp.asarray(boundary), cache)
+                            jnp.asarray(boundary), cache, placement)
     if width:
       idx = np.minimum(boundary[:, None] + np.arange(width)[None, :],
                        tokens.shape[1] - 1)
       tail_tokens = np.take_along_axis(tokens, idx, axis=1)
       tail_logits, cache = decode(config, params, jnp.asarray(tail_tokens),
-                                  cache, jnp.asarray(tails))
+                                  cache, jnp.asarray(tails), placement)
       # tail > 0 gives every prompt (>= 1 token) a tail of at least 1.
       logits = tail_logits[jnp.arange(b), jnp.asarray(tails - 1)]
     rng = jax.random.PRNGKey(0) if rng is None else rng
@@ -245,7 +252,7 @@ def generate(config: ModelConfig, params, prompts: Sequence[Sequence[int]] |
         config, params, logits, cache, rng, max_new_tokens=max_new_tokens,
         temperature=float(temperature), top_k=top_k,
         top_p=None if top_p is None else float(top_p), eos_id=eos_id,
-        pad_id=pad_id)
+        pad_id=pad_id, placement=placement)
   out = np.asarray(out)
   if eos_id is None:
     gen_lengths = np.full((b,), max_new_tokens, np.int32)

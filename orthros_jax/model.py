@@ -13,11 +13,13 @@ phase='decode'   T_q >= 1 new tokens with exact attention over the cache;
                  appends them and folds the tokens leaving the window into the
                  linear state.
 Parameters and activations carry logical axis names (batch, length, embed,
-heads, kv_heads, head_dim, mlp, vocab, features) for sharding rules. Inside
-`Partitioner.activate()` (orthros_jax/sharding.py) the Pallas kernels run
-in `shard_map` over batch and heads, and with a 'sequence' mesh axis larger
-than 1 prefill and decode use the context-parallel attention
-(attention/context_parallel.py) over a position-sharded KV cache.
+heads, kv_heads, head_dim, mlp, vocab, features) for sharding rules. The
+`backend` field (attention/backend.py) says which functions compute the
+attention and where: built by `Partitioner.attention_backend`
+(orthros_jax/sharding.py) for a mesh, the Pallas kernels run in `shard_map`
+over batch and heads, and with a 'sequence' mesh axis larger than 1 prefill
+and decode use the context-parallel attention (attention/context_parallel.py)
+over a position-sharded KV cache. Without one the model runs on one device.
 """
 
 from __future__ import annotations
@@ -32,11 +34,7 @@ import numpy as np
 from orthros_jax import attention as attn_lib
 from orthros_jax import cache as cache_lib
 from orthros_jax import rope
-from orthros_jax import sharding
-from orthros_jax.attention import context_parallel
-from orthros_jax.attention import dispatch
-from orthros_jax.attention.sharded import sharded_flash_decode
-from orthros_jax.attention.sharded import sharded_linear_prefill
+from orthros_jax.attention.backend import AttentionBackend
 from orthros_jax.config import ModelConfig
 from orthros_jax.config import inverse_sigmoid
 from orthros_jax.feature_maps import FeatureMap
@@ -125,8 +123,13 @@ class HeadDense(nn.Module):
 
 
 class Attention(nn.Module):
-  """One attention module for all phases (GQA, RoPE, optional biases)."""
+  """One attention module for all phases (GQA, RoPE, optional biases).
+
+  backend: which functions compute attention and where (kernels, shard_map,
+  context parallelism; attention/backend.py); None: one device.
+  """
   config: ModelConfig
+  backend: AttentionBackend | None = None
 
   def setup(self):
     cfg = self.config
@@ -184,46 +187,12 @@ class Attention(nn.Module):
                                          'head_dim'))
     return self.o_proj(y), new_cache
 
-  def _mesh_axes(self, batch: int):
-    """(partitioner, batch axes, head axes, sequence axis) of the active
-    partitioner, axes that do not divide the sizes dropped; None outside
-    one."""
-    part = sharding.current()
-    if part is None:
-      return None
-    fits = lambda axes, n: axes if n % part.axis_size(axes) == 0 else None
-    return (part, fits(part.batch_axes, batch),
-            fits(part.head_axes, self.config.num_kv_heads),
-            part.sequence_axis)
-
-  def _prefill_fn(self, batch: int, *, local: bool = False):
-    a = self.config.attention
-    fn = dispatch.prefill_impl(a.impl, chunk_size=a.chunk_size,
-                               sinks=a.sinks)
-    axes = self._mesh_axes(batch)
-    if (axes is None or local or fn in dispatch.XLA_IMPLS or
-        fn in dispatch.NONE_IMPLS):
-      return fn
-    part, batch_axes, head_axes, _ = axes
-    return functools.partial(sharded_linear_prefill, part.mesh,
-                             batch_axis=batch_axes, head_axis=head_axes)
-
-  def _decode_fn(self, num_tokens: int, batch: int):
-    fn = dispatch.decode_impl(
-        self.config.attention.impl, head_dim=self.config.head_dim,
-        query_rows=self.config.num_groups * num_tokens)
-    axes = self._mesh_axes(batch)
-    if axes is None or fn in dispatch.NONE_IMPLS:
-      return fn
-    part, batch_axes, head_axes, seq_axis = axes
-    if seq_axis is not None:
-      return functools.partial(context_parallel.decode, mesh=part.mesh,
-                               seq_axis=seq_axis, batch_axes=batch_axes,
-                               head_axes=head_axes)
-    if fn in dispatch.XLA_IMPLS:
-      return fn
-    return functools.partial(sharded_flash_decode, part.mesh,
-                             batch_axis=batch_axes, head_axis=head_axes)
+  @property
+  def attention_backend(self) -> AttentionBackend:
+    """The backend given to the model, or the single-device one."""
+    if self.backend is not None:
+      return self.backend
+    return AttentionBackend.for_model(self.config)
 
   def _orthros_inputs(self, q, k, positions):
     """(phi_q, phi_k, gamma); positions [B, T]: each query's absolute
@@ -239,7 +208,8 @@ class Attention(nn.Module):
 
   def _forward(self, q, k, v, split):
     cfg = self.config
-    exact_fn = dispatch.exact_attention(cfg.attention.impl)
+    backend = self.attention_backend
+    exact_fn = backend.exact()
     if not cfg.is_orthros:
       return exact_fn(q, k, v, causal=True)
     a = cfg.attention
@@ -252,7 +222,7 @@ class Attention(nn.Module):
       extra['sinks'] = attn_lib.Sinks(k[:, :n], v[:, :n],
                                       jnp.ones((b, n), bool),
                                       jnp.zeros((b,), jnp.int32))
-    y, _ = self._prefill_fn(q.shape[0])(
+    y, _ = backend.prefill(q.shape[0])(
         q, k, v, phi_q, phi_k, gamma, window=a.window, chunk_size=a.chunk_size,
         **extra)
     if split is None:
@@ -270,12 +240,12 @@ class Attention(nn.Module):
     valid = jnp.arange(t)[None, :] < lengths[:, None]
     k_cache, v_cache = cache_lib.write_kv(cache, k, v, valid)
     new_lengths = start + lengths
+    backend = self.attention_backend
     if not cfg.is_orthros:
       # Query t of example b sits at start[b] + t, as `decode_attention`
       # places the last T of start + T keys.
-      decode = self._decode_fn(t, b)
-      fresh = (dispatch.fresh_prompt_attention(cfg.attention.impl)
-               if self._mesh_axes(b) is None else None)
+      decode = backend.decode(t, b)
+      fresh = backend.fresh_prompt()
       if fresh is None:
         y = decode(q, k_cache, v_cache, start + t)
       else:
@@ -302,23 +272,9 @@ class Attention(nn.Module):
       extra['sinks'] = attn_lib.Sinks(
           k_cache[:, :n], v_cache[:, :n],
           jnp.arange(n)[None, :] < new_lengths[:, None], start)
-    fn = self._prefill_fn(b)
-    axes = self._mesh_axes(b)
-    if (axes is not None and axes[3] is not None and
-        fn not in dispatch.NONE_IMPLS and
-        -(-t // axes[0].mesh.shape[axes[3]]) >= a.window):
-      if a.sinks:
-        raise ValueError(
-            f'attention.sinks={a.sinks}: the context-parallel prefill (mesh '
-            "axis 'sequence' > 1) has no sink tokens; set sinks=0 or use a "
-            'mesh without a sequence axis.')
-      # Context parallel; a prompt too short to give every shard a window
-      # of tokens (a short chat turn) takes the ordinary path.
-      part, batch_axes, head_axes, seq_axis = axes
-      fn = functools.partial(
-          context_parallel.prefill, mesh=part.mesh, seq_axis=seq_axis,
-          batch_axes=batch_axes, head_axes=head_axes,
-          local_prefill=self._prefill_fn(b, local=True))
+    # Context parallel on a mesh with a sequence axis (None: the ordinary
+    # path, also for a prompt too short to give every shard a window).
+    fn = backend.context_parallel_prefill(t, b) or backend.prefill(b)
     y, state = fn(
         q, k, v, phi_q, phi_k, gamma, window=a.window,
         chunk_size=a.chunk_size, lengths=lengths,
@@ -336,7 +292,8 @@ class Attention(nn.Module):
     # Query i sits at cache.lengths + i: the attention places the last T of
     # cache.lengths + T keys. Queries past an example's length are never
     # read; its real queries see only written keys (causality).
-    y = self._decode_fn(t, b)(q, k_cache, v_cache, cache.lengths + t)
+    y = self.attention_backend.decode(t, b)(q, k_cache, v_cache,
+                                            cache.lengths + t)
     new_cache = cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     if cfg.is_orthros:
       # Tokens at old_len - W + i leave the window; fold them into (S, z)
@@ -353,14 +310,15 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
   config: ModelConfig
+  backend: AttentionBackend | None = None
 
   @nn.compact
   def __call__(self, x, positions, **kwargs):
     cfg = self.config
     norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype,
                                 name=name)
-    h, new_cache = Attention(cfg, name='attn')(norm('input_norm')(x),
-                                               positions, **kwargs)
+    h, new_cache = Attention(cfg, self.backend, name='attn')(
+        norm('input_norm')(x), positions, **kwargs)
     x = _constrain(x + h, ('batch', 'length', 'embed'))
     x = x + Mlp(cfg, name='mlp')(norm('post_attn_norm')(x))
     return _constrain(x, ('batch', 'length', 'embed')), new_cache
@@ -381,8 +339,12 @@ class Transformer(nn.Module):
     that the new tokens fit the cache (a `jax.debug.callback`, one host
     round trip per call); False for loops whose caller sized the cache
     (`generate`, the speed benchmark), which then skip that round trip.
+
+  backend: the attention backend (attention/backend.py); None: one device.
+  On a mesh, `Partitioner.model(config)` gives the model with its backend.
   """
   config: ModelConfig
+  backend: AttentionBackend | None = None
 
   @nn.compact
   def __call__(self, tokens, *, phase: str, cache=None, lengths=None,
@@ -407,7 +369,7 @@ class Transformer(nn.Module):
 
     new_cache = []
     for i in range(cfg.num_layers):
-      x, layer_cache = Block(cfg, name=f'layers_{i}')(
+      x, layer_cache = Block(cfg, self.backend, name=f'layers_{i}')(
           x, positions, phase=phase,
           cache=None if cache is None else cache[i], lengths=lengths,
           split=split)
@@ -426,6 +388,15 @@ class Transformer(nn.Module):
                                    ('embed', 'vocab')), name='lm_head')(x)
     return logits.astype(jnp.float32), (None if phase == 'forward'
                                         else tuple(new_cache))
+
+
+def transformer(config: ModelConfig, placement=None) -> Transformer:
+  """The Transformer of `config`, its attention placed on `placement` (an
+  `attention.placement.Placement`, e.g. `Partitioner.placement`; None: one
+  device)."""
+  if placement is None:
+    return Transformer(config)
+  return Transformer(config, AttentionBackend.for_model(config, placement))
 
 
 def _is_concrete(x) -> bool:

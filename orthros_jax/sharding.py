@@ -19,6 +19,7 @@ the context-parallel attention.
 
   partitioner = Partitioner.create({'data': 2, 'fsdp': 4})
   params = partitioner.init_params(model_config, rng, seq_len=512)
+  model = partitioner.model(model_config)  # attention backend of this mesh
   with partitioner.activate():
     ...  # jitted model calls see the mesh and the rules
 
@@ -30,7 +31,6 @@ any mesh.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import logging
@@ -48,6 +48,13 @@ from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from orthros_jax.attention.backend import AttentionBackend
+from orthros_jax.attention.placement import Placement
+from orthros_jax.attention.placement import axis_size
+from orthros_jax.attention.placement import check_divisible  # noqa: F401
+from orthros_jax.model import Transformer
+from orthros_jax.model import transformer
 
 MESH_AXES = ('data', 'fsdp', 'tensor', 'sequence')
 
@@ -68,37 +75,9 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ('head_dim', None),
 )
 
-_CURRENT: contextvars.ContextVar['Partitioner | None'] = contextvars.ContextVar(
-    'orthros_partitioner', default=None)
-
-
-def current() -> 'Partitioner | None':
-  """The partitioner of the innermost `activate()` (None outside one)."""
-  return _CURRENT.get()
-
-
 @functools.lru_cache(maxsize=None)
 def _log_once(message: str) -> None:
   logging.info(message)
-
-
-def axis_size(mesh: Mesh, axes) -> int:
-  """Devices along mesh axes (a name, a tuple of names, or None = 1)."""
-  if axes is None:
-    return 1
-  names = (axes,) if isinstance(axes, str) else axes
-  return math.prod(mesh.shape[name] for name in names)
-
-
-def check_divisible(mesh: Mesh, batch_axes, head_axes, batch: int,
-                    kv_heads: int) -> None:
-  """A clear error when `shard_map` cannot split batch or kv heads."""
-  if batch % axis_size(mesh, batch_axes):
-    raise ValueError(f'batch {batch} is not divisible by mesh axes '
-                     f'{batch_axes!r} ({axis_size(mesh, batch_axes)} devices)')
-  if kv_heads % axis_size(mesh, head_axes):
-    raise ValueError(f'kv heads {kv_heads} are not divisible by mesh axes '
-                     f'{head_axes!r} ({axis_size(mesh, head_axes)} devices)')
 
 
 def make_mesh(shape: Mapping[str, int] | Sequence[int] | None = None, *,
@@ -268,7 +247,6 @@ class Partitioner:
 
   def abstract_params(self, model_config, seq_len: int = 8):
     """Boxed (LogicallyPartitioned) abstract params of the Transformer."""
-    from orthros_jax.model import Transformer
     tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
     return jax.eval_shape(
         lambda t: Transformer(model_config).init(
@@ -308,7 +286,6 @@ class Partitioner:
     """Initializes the Transformer's params directly sharded: eval_shape ->
     partition specs -> jit(init, out_shardings), so no device (or host)
     ever holds the full tree."""
-    from orthros_jax.model import Transformer
     shardings = nn.unbox(self.model_param_shardings(model_config))
     tokens = jnp.zeros((1, seq_len), jnp.int32)
 
@@ -388,19 +365,34 @@ class Partitioner:
           'cache; allocate a larger cache')
     return jax.device_put(cache, self.cache_shardings(cache))
 
+  # -- the model on this mesh ---------------------------------------------
+
+  @property
+  def placement(self) -> Placement:
+    """The mesh and the axes attention splits over (batch, kv heads, cache
+    positions)."""
+    return Placement(self.mesh, self.batch_axes, self.head_axes,
+                     self.sequence_axis)
+
+  def attention_backend(self, model_config) -> AttentionBackend:
+    """The model's attention on this mesh: Pallas kernels in shard_map over
+    batch and heads, context parallelism over a sequence axis larger than
+    1 (attention/backend.py)."""
+    return AttentionBackend.for_model(model_config, self.placement)
+
+  def model(self, model_config) -> Transformer:
+    """The Transformer with this mesh's attention backend."""
+    return transformer(model_config, self.placement)
+
   # -- context -------------------------------------------------------------
 
   @contextlib.contextmanager
   def activate(self):
-    """Within: jitted code sees this mesh (jax.set_mesh), flax's logical
-    constraints use these rules, and the attention layers use the
-    context-parallel paths when the sequence axis is larger than 1."""
-    token = _CURRENT.set(self)
-    try:
-      with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-        yield self
-    finally:
-      _CURRENT.reset(token)
+    """Within: jitted code sees this mesh (jax.set_mesh) and flax's logical
+    constraints use these rules. Which attention runs is the model's
+    backend (`model(config)`), not this context."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      yield self
 
 
 def _key(k) -> str:

@@ -317,7 +317,7 @@ def test_context_parallel_decode_function(n):
 
 
 def _prefill_decode(params, tokens, lengths, part, max_len=64):
-  model = Transformer(CFG)
+  model = Transformer(CFG) if part is None else part.model(CFG)
   prefill = jax.jit(lambda p, t, l, c: model.apply(
       {'params': p}, t, phase='prefill', cache=c, lengths=l,
       all_logits=True))
@@ -378,8 +378,33 @@ def test_context_parallel_prefill_refuses_sinks():
   tokens = jnp.zeros((2, 40), jnp.int32)
   cache = part.shard_cache(init_cache(cfg, 2, 64))
   with part.activate(), pytest.raises(ValueError, match='attention.sinks=2'):
-    Transformer(cfg).apply({'params': _params_init()}, tokens,
-                           phase='prefill', cache=cache)
+    part.model(cfg).apply({'params': _params_init()}, tokens,
+                          phase='prefill', cache=cache)
+
+
+def test_active_mesh_does_not_change_a_model_without_backend():
+  """No hidden global: which attention runs is the model's backend field.
+  Inside `activate()` a Transformer built without one computes what it
+  computes outside (the single-device path: here it takes sink tokens,
+  which the context-parallel prefill of `part.model` refuses), and equals
+  the mesh's model wherever both run."""
+  cfg = CFG.replace(attention={'sinks': 2})
+  part = _partitioner({'sequence': 2})
+  params = jax.tree.map(
+      lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(3), x.shape),
+      _params_init())
+  tokens = jnp.asarray(np.random.default_rng(5).integers(
+      0, cfg.vocab_size, (2, 40)), jnp.int32)
+  ref, _ = Transformer(cfg).apply({'params': params}, tokens,
+                                  phase='prefill', cache=init_cache(cfg, 2, 64))
+  with part.activate():
+    got, _ = Transformer(cfg).apply(
+        {'params': params}, tokens, phase='prefill',
+        cache=part.shard_cache(init_cache(cfg, 2, 64)))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5,
+                             atol=2e-5)
+  assert part.model(cfg).backend.placement == part.placement
+  assert Transformer(cfg).backend is None
 
 
 def test_shard_cache_needs_divisible_length():

@@ -45,7 +45,7 @@ from orthros_jax.attention.orthros import WindowPrefix
 from orthros_jax.attention.orthros import fold_into_state
 from orthros_jax.attention.orthros import orthros_prefill
 from orthros_jax.attention.orthros import zero_state
-from orthros_jax.sharding import check_divisible
+from orthros_jax.attention.placement import check_divisible
 
 Array = jax.Array
 Axes = str | tuple[str, ...] | None

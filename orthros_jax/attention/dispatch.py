@@ -66,10 +66,12 @@ def pallas_decode(*args, **kwargs):
   return flash_decode(*args, fallback=decode_attention, **kwargs)
 
 
-# The XLA functions and the impl='none' stand-ins (sharded models wrap only
-# the Pallas kernels in shard_map; XLA partitions the rest itself).
-XLA_IMPLS = (orthros_prefill, decode_attention, softmax_attention)
-NONE_IMPLS = (_no_prefill, _no_attention)
+# Each kind's function (the backend, attention/backend.py, wraps the
+# 'pallas' ones in shard_map on a mesh; XLA partitions the rest itself).
+PREFILL_FNS = {'xla': orthros_prefill, 'pallas': pallas_prefill,
+               'none': _no_prefill}
+DECODE_FNS = {'xla': decode_attention, 'pallas': pallas_decode,
+              'none': _no_attention}
 
 
 def _backend() -> str:
@@ -112,10 +114,10 @@ def _choose(impl: str, what: str, problem: str | None) -> str:
   return 'pallas'
 
 
-def prefill_impl(impl: str, *, chunk_size: int, sinks: int = 0) -> Callable:
-  """`orthros_prefill` or `pallas_prefill` (same signature)."""
+def prefill_kind(impl: str, *, chunk_size: int, sinks: int = 0) -> str:
+  """Which prefill runs: 'pallas', 'xla' or 'none'."""
   if impl == 'none':
-    return _no_prefill
+    return 'none'
   backend = _backend()
   problem = None
   if sinks:
@@ -124,9 +126,12 @@ def prefill_impl(impl: str, *, chunk_size: int, sinks: int = 0) -> Callable:
     problem = f'chunk_size={chunk_size} is not a multiple of 8 (TPU tiling)'
   elif backend == 'gpu' and not _is_pow2(chunk_size):
     problem = f'chunk_size={chunk_size} is not a power of two (Triton)'
-  if _choose(impl, 'prefill', problem) == 'xla':
-    return orthros_prefill
-  return pallas_prefill
+  return _choose(impl, 'prefill', problem)
+
+
+def prefill_impl(impl: str, *, chunk_size: int, sinks: int = 0) -> Callable:
+  """`orthros_prefill` or `pallas_prefill` (same signature)."""
+  return PREFILL_FNS[prefill_kind(impl, chunk_size=chunk_size, sinks=sinks)]
 
 
 # flash_decode keeps all query rows of a kv head (G * Tq) in one program:
@@ -134,26 +139,31 @@ def prefill_impl(impl: str, *, chunk_size: int, sinks: int = 0) -> Callable:
 MAX_DECODE_ROWS = 128
 
 
-def decode_impl(impl: str, *, head_dim: int, query_rows: int = 1) -> Callable:
-  """`decode_attention` or `pallas_decode` (same signature).
+def decode_kind(impl: str, *, head_dim: int, query_rows: int = 1) -> str:
+  """Which exact attention over the cache runs: 'pallas', 'xla' or 'none'.
 
   query_rows: G * Tq, the query rows per kv head of the call. Long query
   blocks (above MAX_DECODE_ROWS: a dense prefill, a long exact tail) always
   use the XLA blocked path, whatever the impl.
   """
   if impl == 'none':
-    return _no_attention
+    return 'none'
   if query_rows > MAX_DECODE_ROWS:
     if impl not in IMPLS:
       raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
                        f'{IMPLS}')
-    return decode_attention
+    return 'xla'
   problem = None
   if _backend() == 'gpu' and not _is_pow2(head_dim):
     problem = f'head_dim={head_dim} is not a power of two (Triton)'
-  if _choose(impl, 'decode', problem) == 'xla':
-    return decode_attention
-  return pallas_decode
+  return _choose(impl, 'decode', problem)
+
+
+def decode_impl(impl: str, *, head_dim: int, query_rows: int = 1) -> Callable:
+  """`decode_attention` or `pallas_decode` (same signature); see
+  `decode_kind`."""
+  return DECODE_FNS[decode_kind(impl, head_dim=head_dim,
+                                query_rows=query_rows)]
 
 
 def fresh_prompt_attention(impl: str) -> Callable | None:

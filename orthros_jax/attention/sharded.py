@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from orthros_jax.attention.dispatch import pallas_decode
 from orthros_jax.attention.dispatch import pallas_prefill
-from orthros_jax.sharding import check_divisible
+from orthros_jax.attention.placement import check_divisible
 from pallas_kernels.common import LinearState
 from pallas_kernels.common import WindowPrefix
 

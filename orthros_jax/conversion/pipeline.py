@@ -368,7 +368,8 @@ def convert(config, workdir: str | os.PathLike) -> dict:
 
   student_init = init_student(teacher_params, student,
                               jax.random.PRNGKey(seed))
-  objective1 = stages.transfer_objective(student)
+  placement = None if partitioner is None else partitioner.placement
+  objective1 = stages.transfer_objective(student, placement)
   probe = next(iter(make_data(dict(data_cfg, seed=int(data_cfg['seed']) + 7),
                               teacher.vocab_size)))
   mse = jax.jit(lambda p: objective1(p, probe, None)[0])
@@ -413,7 +414,7 @@ def convert(config, workdir: str | os.PathLike) -> dict:
 
   objective2 = stages.finetune_objective(
       student, split_mode=s2_cfg.split_mode, lora_alpha=alpha,
-      kl_weight=kl_weight, hidden_weight=hidden_weight)
+      kl_weight=kl_weight, hidden_weight=hidden_weight, placement=placement)
   stage2_dir = os.path.join(workdir, 'stage2')
   state2, hist2 = loop.train(
       s2_cfg, stage2_dir, student, stage2_init,

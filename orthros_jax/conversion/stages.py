@@ -27,7 +27,7 @@ from orthros_jax.conversion.lora import merge_lora
 from orthros_jax.conversion.transfer import capture_layers
 from orthros_jax.conversion.transfer import teacher_attention_io
 from orthros_jax.conversion.transfer import transfer_loss
-from orthros_jax.model import Transformer
+from orthros_jax.model import transformer
 from orthros_jax.training import loss as loss_lib
 from orthros_jax.training.step import make_split
 
@@ -39,15 +39,16 @@ def real_tokens(weights: jax.Array) -> jax.Array:
       jnp.float32)
 
 
-def transfer_objective(config: ModelConfig):
-  """Stage 1: (params, batch, rng) -> (sum of per-layer MSEs, metrics)."""
+def transfer_objective(config: ModelConfig, placement=None):
+  """Stage 1: (params, batch, rng) -> (sum of per-layer MSEs, metrics).
+  placement: the mesh of a sharded run (`Partitioner.placement`)."""
   teacher = config.replace(attention={'kind': 'dense'})
 
   def objective(params, batch, rng):
     del rng
     tokens = batch['inputs']
     inputs, outputs = teacher_attention_io(
-        teacher, jax.lax.stop_gradient(params), tokens)
+        teacher, jax.lax.stop_gradient(params), tokens, placement)
     valid = real_tokens(batch['weights'])
     loss, per_layer = transfer_loss(params, config, inputs, outputs, valid)
     metrics = {f'mse/layer_{i}': per_layer[i]
@@ -57,16 +58,18 @@ def transfer_objective(config: ModelConfig):
   return objective
 
 
-def _attention_inputs(config: ModelConfig, params, tokens, split=None):
+def _attention_inputs(config: ModelConfig, params, tokens, split=None,
+                      placement=None):
   """(logits, [L, B, T, E] float32): each layer's attention input (the
   normed residual stream its q/k/v projections read) and the logits."""
-  logits, io = capture_layers(config, params, tokens, ('input_norm',), split)
+  logits, io = capture_layers(config, params, tokens, ('input_norm',), split,
+                              placement)
   return logits, io['input_norm']
 
 
 def finetune_objective(config: ModelConfig, *, split_mode: str = 'prompt',
                        lora_alpha: float = 16.0, kl_weight: float = 0.0,
-                       hidden_weight: float = 0.0):
+                       hidden_weight: float = 0.0, placement=None):
   """Stage 2: (params {'base', 'lora'[, 'teacher']}, batch, rng) ->
   (loss, metrics).
 
@@ -92,14 +95,16 @@ def finetune_objective(config: ModelConfig, *, split_mode: str = 'prompt',
     teacher_params = jax.lax.stop_gradient(
         params.get('teacher', params['base']))
     if hidden_weight > 0:
-      logits, hidden = _attention_inputs(config, merged, tokens, split)
+      logits, hidden = _attention_inputs(config, merged, tokens, split,
+                                         placement)
     else:
-      logits, _ = Transformer(config).apply(
+      logits, _ = transformer(config, placement).apply(
           {'params': merged}, tokens, phase='forward', split=split)
     loss, metrics = loss_lib.cross_entropy(logits, batch['targets'],
                                            batch['weights'])
     if kl_weight > 0 or hidden_weight > 0:
-      t_logits, t_hidden = _attention_inputs(teacher, teacher_params, tokens)
+      t_logits, t_hidden = _attention_inputs(teacher, teacher_params, tokens,
+                                             placement=placement)
     if kl_weight > 0:
       t_logp = jax.nn.log_softmax(t_logits)
       kl = jnp.sum(jnp.exp(t_logp) * (t_logp - jax.nn.log_softmax(logits)),

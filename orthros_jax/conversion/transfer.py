@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from orthros_jax.config import ModelConfig
 from orthros_jax.model import Attention
-from orthros_jax.model import Transformer
+from orthros_jax.model import transformer
 
 Array = jax.Array
 TRANSFER_PARAMS = ('phi_q', 'phi_k', 'window_logit', 'length_exponent')
@@ -32,12 +32,13 @@ def is_transfer_param(path: tuple) -> bool:
 
 
 def capture_layers(config: ModelConfig, params: dict, tokens: Array,
-                   names: tuple[str, ...], split=None) -> tuple[Array, dict]:
+                   names: tuple[str, ...], split=None, placement=None
+                   ) -> tuple[Array, dict]:
   """(logits, {name: [L, B, T, E] float32}): the output of each layer's
   submodule `name` ('input_norm': the attention input, 'attn': the
   attention output) in one forward pass with the given prefill/decode
-  split."""
-  (logits, _), state = Transformer(config).apply(
+  split; placement: the mesh of a sharded run (`Partitioner.placement`)."""
+  (logits, _), state = transformer(config, placement).apply(
       {'params': params}, tokens, phase='forward', split=split,
       capture_intermediates=lambda mdl, _: mdl.name in names,
       mutable=['intermediates'])
@@ -53,14 +54,16 @@ def capture_layers(config: ModelConfig, params: dict, tokens: Array,
 
 
 def teacher_attention_io(teacher: ModelConfig, params: dict,
-                         tokens: Array) -> tuple[Array, Array]:
+                         tokens: Array, placement=None
+                         ) -> tuple[Array, Array]:
   """Each layer's attention input and output in the dense teacher.
 
   Returns (inputs [L, B, T, E], outputs [L, B, T, E]) in float32.
   """
   if teacher.is_orthros:
     teacher = teacher.replace(attention={'kind': 'dense'})
-  _, io = capture_layers(teacher, params, tokens, ('input_norm', 'attn'))
+  _, io = capture_layers(teacher, params, tokens, ('input_norm', 'attn'),
+                         placement=placement)
   return io['input_norm'], io['attn']
 
 

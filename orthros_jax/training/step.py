@@ -29,7 +29,8 @@ numpy batches, split them over the mesh's batch axes
 (`make_array_from_process_local_data`, so each host feeds its own rows), and
 run jitted with the state's own shardings in and out inside
 `partitioner.activate()`: data, FSDP, tensor and mixed parallelism come from
-the mesh and the rules alone.
+the mesh and the rules alone; the model's attention takes the
+partitioner's placement (`model.transformer(config, placement)`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import optax
 
 from orthros_jax.config import ModelConfig
-from orthros_jax.model import Transformer
+from orthros_jax.model import transformer
 from orthros_jax.training import loss as loss_lib
 from orthros_jax.training import optim
 from orthros_jax.training.state import TrainState
@@ -97,9 +98,10 @@ def make_split(config: ModelConfig, split_mode: str, batch, rng):
   return jnp.where(p > 0, at_prompt, random)
 
 
-def _forward_loss(config, split_mode, loss_fn, params, batch, rng):
+def _forward_loss(config, split_mode, loss_fn, params, batch, rng,
+                  placement=None):
   split = make_split(config, split_mode, batch, rng)
-  logits, _ = Transformer(config).apply(
+  logits, _ = transformer(config, placement).apply(
       {'params': params}, batch['inputs'], phase='forward', split=split)
   return loss_fn(logits, batch)
 
@@ -122,10 +124,11 @@ def make_train_step(config: ModelConfig, *, split_mode: str = 'prompt',
   """
   check_split_mode(split_mode)
   loss_fn = loss_fn or loss_lib.next_token_loss
+  placement = None if partitioner is None else partitioner.placement
   return make_objective_step(
       lambda p, batch, rng: _forward_loss(config, split_mode, loss_fn, p,
-                                          batch, rng), donate=donate,
-      partitioner=partitioner, trainable=trainable)
+                                          batch, rng, placement),
+      donate=donate, partitioner=partitioner, trainable=trainable)
 
 
 def trainable_value_and_grad(fn, params, trainable):
@@ -220,8 +223,11 @@ def make_eval_step(config: ModelConfig, *, split_mode: str = 'prompt',
   check_split_mode(split_mode)
   loss_fn = loss_fn or loss_lib.next_token_loss
 
+  placement = None if partitioner is None else partitioner.placement
+
   def step(params, batch, rng):
-    _, metrics = _forward_loss(config, split_mode, loss_fn, params, batch, rng)
+    _, metrics = _forward_loss(config, split_mode, loss_fn, params, batch, rng,
+                               placement)
     return metrics
 
   if partitioner is not None:
