@@ -43,7 +43,7 @@ def run(teacher: str, *, tasks, lengths, num_examples: int, window,
   config, params, where = suite.load_dense(teacher)
   tokenizer = get_tokenizer(tokenizer or teacher)
   windows = [window] if isinstance(window, int) else list(window)
-  models = {'teacher': (config, params, 'generate')}
+  models = {'teacher': (config, params, 'inference')}
   desc = {'teacher': f'{where}: the teacher as loaded, dense attention'}
   for w in windows:
     student = config.replace(attention=dict(kind='orthros', window=w,

@@ -90,12 +90,12 @@ def test_inference_path_equals_forward_with_the_same_split(config):
   np.testing.assert_array_equal(end, [20, 29, 23, 9])
   assert weights[2, :11].sum() == 0 and weights[2, 11:23].sum() == 12
   want = _reference_scores(config, params, batch, boundary, weights)
-  for mode in ('inference', 'forward'):
-    got = inference.score_batch(config, params, batch, mode=mode)
+  for route in ('inference', 'forward'):
+    got = inference.score_batch(config, params, batch, route=route)
     np.testing.assert_allclose(got['nll_sum'], want, rtol=2e-5)
     np.testing.assert_array_equal(got['tokens'], weights.sum(1))
   # 'prefill': every position through the prefill formula.
-  got = inference.score_batch(config, params, batch, mode='prefill')
+  got = inference.score_batch(config, params, batch, route='prefill')
   t = batch['inputs'].shape[1]
   want = _reference_scores(config, params, batch, np.full(4, t), weights)
   np.testing.assert_allclose(got['nll_sum'], want, rtol=2e-5)
@@ -145,9 +145,9 @@ def test_score_rejects_empty_and_unknown_mode():
   params = _init(DENSE, jax.random.PRNGKey(0))
   with pytest.raises(ValueError, match='no scored examples'):
     inference.score(DENSE, params, [])
-  with pytest.raises(ValueError, match='mode'):
+  with pytest.raises(ValueError, match='route'):
     inference.score_batch(DENSE, params, _batch(np.random.default_rng(0)),
-                          mode='teacher')
+                          route='teacher')
 
 
 def test_save_and_load_params_roundtrip(tmp_path):

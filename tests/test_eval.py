@@ -19,6 +19,7 @@ from configs import eval_tiny
 from orthros_jax.data import get_tokenizer
 from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import retrieval
+from orthros_jax.evaluation import routes
 from orthros_jax.evaluation import speed
 from orthros_jax.evaluation import suite
 from orthros_jax.evaluation import tasks as tasks_lib
@@ -51,7 +52,7 @@ def test_prefill_only_generation_is_the_prefill_formula(window):
   params = _init(config, jax.random.PRNGKey(0))
   prompts = [[5, 9, 33, 70, 2, 41, 41, 8, 100], [17, 3, 250, 6]]
   out = retrieval.greedy(config, params, prompts, max_new_tokens=6,
-                         path='prefill')
+                         route='prefill')
   assert out.shape == (2, 6)
   # Causal: position len(seq) - 1 of a right-padded row sees only seq.
   forward = jax.jit(lambda x: Transformer(config).apply(
@@ -64,14 +65,17 @@ def test_prefill_only_generation_is_the_prefill_formula(window):
       seq.append(int(token))
   # Padding to a fixed width and batch (one compile per task) changes
   # nothing, on either path.
-  for path in retrieval.PATHS:
+  for route in routes.GENERATION_ROUTES:
     plain = retrieval.greedy(config, params, prompts, max_new_tokens=6,
-                             path=path)
+                             route=route)
     padded = retrieval.greedy(config, params, prompts, max_new_tokens=6,
-                              path=path, width=32, batch=5)
+                              route=route, width=32, batch=5)
     np.testing.assert_array_equal(plain, padded)
-  with pytest.raises(ValueError, match='path'):
-    retrieval.greedy(config, params, prompts, max_new_tokens=2, path='x')
+  with pytest.raises(ValueError, match='route'):
+    retrieval.greedy(config, params, prompts, max_new_tokens=2, route='x')
+  with pytest.raises(ValueError, match='route'):  # no cache to decode into
+    retrieval.greedy(config, params, prompts, max_new_tokens=2,
+                     route='forward')
 
 
 def test_run_task_scores_generated_text(monkeypatch):
@@ -79,7 +83,7 @@ def test_run_task_scores_generated_text(monkeypatch):
   the real random model ~0; the floor runs the prefill path."""
   params = _init(ORTHROS, jax.random.PRNGKey(1))
   tok = get_tokenizer('byte')
-  models = {'orthros': (ORTHROS, params, 'generate'),
+  models = {'orthros': (ORTHROS, params, 'inference'),
             'linear': (inference.pure_linear(ORTHROS), params, 'prefill')}
   result = retrieval.run_task(models, 'passkey', tok, length=300,
                               num_examples=3, seed=0, batch_size=2)
@@ -155,9 +159,9 @@ def test_suite_writes_results_report_and_plots(checkpoints, tmp_path):
   assert cells == {(t, m) for t in ('passkey', 'niah', 'mqar')
                    for m in ('teacher', 'orthros', 'linear')}
   q = saved['quality']
-  assert q['orthros']['inference']['mode'] == 'inference'
-  assert q['orthros']['teacher_forced']['mode'] == 'prefill'
-  assert q['linear']['inference']['mode'] == 'prefill'
+  assert q['orthros']['inference']['route'] == 'inference'
+  assert q['orthros']['teacher_forced']['route'] == 'prefill'
+  assert q['linear']['inference']['route'] == 'prefill'
   assert q['teacher']['inference']['loss'] == q['teacher'][
       'teacher_forced']['loss']
   assert len(saved['speed']['rows']) == 3

@@ -163,8 +163,8 @@ def test_rolling_loglikelihood_is_one_prefill_per_window(orthros):
 
 def test_bad_arguments_are_clear_errors(orthros):
   config, params = orthros
-  with pytest.raises(ValueError, match='path='):
-    lm_harness.HarnessLM(config, params, TOK, path='beam')
+  with pytest.raises(ValueError, match='route='):
+    lm_harness.HarnessLM(config, params, TOK, route='beam')
   with pytest.raises(ValueError, match='max_length must be >= 1'):
     lm_harness.HarnessLM(config, params, TOK, max_length=0)
   lm = lm_harness.HarnessLM(config, params, TOK)
@@ -177,9 +177,9 @@ def test_bad_arguments_are_clear_errors(orthros):
     lm_harness.HarnessLM(config, params, TOK, max_length=8).score_tokens(
         [([3], list(range(3, 12)))])
   with pytest.raises(ValueError, match='name at least one task'):
-    lm_harness.run_tasks({'orthros': (config, params, 'generate')}, (), TOK)
+    lm_harness.run_tasks({'orthros': (config, params, 'inference')}, (), TOK)
   with pytest.raises(ValueError, match=r"names tasks \['mmlu'\]"):
-    lm_harness.run_tasks({'orthros': (config, params, 'generate')}, ('x',),
+    lm_harness.run_tasks({'orthros': (config, params, 'inference')}, ('x',),
                          TOK, num_fewshot={'mmlu': 5})
 
 
@@ -233,7 +233,7 @@ def test_evaluator_runs_local_tasks_to_the_bridge_scores(orthros, tmp_path):
   bridge's own loglikelihoods and generations imply, for an Orthros row and
   the pure-linear row (path 'prefill')."""
   config, params = orthros
-  rows = {'orthros': (config, params, 'generate'),
+  rows = {'orthros': (config, params, 'inference'),
           'linear': (pure_linear(config), params, 'prefill')}
   questions = ['Is the sky blue?', 'Pick one:', 'Which letter?',
                'Last one.']
@@ -263,7 +263,7 @@ def test_evaluator_runs_local_tasks_to_the_bridge_scores(orthros, tmp_path):
       pytest.approx(0.5))
   # The linear row: its own scores through the prefill formula.
   lin = lm_harness.HarnessLM(pure_linear(config), params, TOK,
-                             path='prefill')
+                             route='prefill')
   lin_best = [int(np.argmax([ll for ll, _ in _ll(lin, [(q, ' ' + c)
                                                        for c in choices])]))
               for q in questions]

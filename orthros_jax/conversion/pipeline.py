@@ -155,19 +155,19 @@ def evaluate_models(models: Mapping[str, tuple[ModelConfig, dict, str]],
                     eval_cfg: Mapping[str, Any], tokenizer,
                     progress: bool = True) -> dict:
   """{model: {set: scores, 'all': token-weighted loss}} for models given as
-  name -> (config, params, inference mode), every set through the
-  inference path (orthros_jax.evaluation.inference)."""
+  name -> (config, params, route), every set scored on its route
+  (orthros_jax/evaluation/routes.py, evaluation/inference.py)."""
   sets = _eval_sets(eval_cfg, tokenizer)
   batches = {name: list(make()) for name, make in sets.items()}
   total = len(models) * sum(len(b) for b in batches.values())
   results: dict[str, dict] = {}
   with tqdm.tqdm(total=total, desc='eval', disable=not progress,
                  dynamic_ncols=True) as bar:
-    for model, (config, params, mode) in models.items():
+    for model, (config, params, route) in models.items():
       per = {}
       for name, bs in batches.items():
         bar.set_postfix_str(f'{model}/{name}')
-        per[name] = inference.score(config, params, bs, mode=mode,
+        per[name] = inference.score(config, params, bs, route=route,
                                     progress=bar.update)
       tokens = sum(s['tokens'] for s in per.values())
       per['all'] = {'loss': sum(s['loss'] * s['tokens'] for s in per.values())

@@ -5,18 +5,9 @@ pass: the prompt (all but its last `exact_tail` tokens) goes through
 `phase='prefill'`, which fills the cache, and every later token is fed,
 teacher-forced, through `phase='decode'` (exact attention over the cache).
 Position t's logits come from the prefill when t < boundary, else from the
-decode. Three modes, on the same batch contract as training
-(orthros_jax/data/pipeline.py):
-
-  'inference'  boundary = prompt_length - exact_tail (dense models: the
-               prompt through dense prefill); what `generate` does.
-  'prefill'    boundary = the whole sequence: every position through the
-               prefill formula. With window 0 and no exact tail this is the
-               pure-linear floor (a linear-attention model has no exact
-               decode to fall back on).
-  'forward'    the training forward pass (teacher forcing, no cache) with the
-               split of the 'inference' mode; equal to 'inference' up to
-               float rounding (the identity the tests check), and cheaper.
+decode. The three routes ('inference', 'prefill', 'forward') and the
+boundary are defined once in `orthros_jax/evaluation/routes.py`; batches
+follow the training contract (orthros_jax/data/pipeline.py).
 
 Rows without a prompt (plain text, the filler task) are given one: the first
 half of their tokens is prefilled and the loss counts on the second half,
@@ -40,15 +31,15 @@ import numpy as np
 
 from orthros_jax.cache import init_cache
 from orthros_jax.config import ModelConfig
+from orthros_jax.evaluation import routes
 from orthros_jax.model import Transformer
 
-MODES = ('inference', 'prefill', 'forward')
 _DECODE_BUCKET = 16  # decode lengths are padded to a multiple (fewer compiles)
 
 
 def pure_linear(config: ModelConfig) -> ModelConfig:
   """The floor of every report: the same model with window 0, no sinks and
-  no exact tail (score it with mode='prefill'). A length scale is dropped:
+  no exact tail (score it with route='prefill'). A length scale is dropped:
   it multiplies all of a query's linear weights by one factor, which the
   pure-linear normalisation cancels (its `length_exponent` params are then
   unused)."""
@@ -56,7 +47,7 @@ def pure_linear(config: ModelConfig) -> ModelConfig:
                                    'length_scale': False})
 
 
-def scoring_layout(batch: dict, config: ModelConfig, mode: str
+def scoring_layout(batch: dict, config: ModelConfig, route: str
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(weights, boundary [B], end [B]) of the scored positions of `batch`.
 
@@ -64,8 +55,7 @@ def scoring_layout(batch: dict, config: ModelConfig, mode: str
   boundary: positions t < boundary go through the prefill; end: one past the
   last scored position (the decode covers boundary .. end - 1).
   """
-  if mode not in MODES:
-    raise ValueError(f'mode={mode!r} is unknown: expected one of {MODES}')
+  routes.check(route)
   weights = np.asarray(batch['weights'], np.float32).copy()
   b, t = weights.shape
   scored = weights > 0
@@ -76,7 +66,7 @@ def scoring_layout(batch: dict, config: ModelConfig, mode: str
   prompt = np.where(prompt > 0, prompt, half)
   plain = np.asarray(batch['prompt_lengths']).reshape(b) == 0
   weights[plain] *= (np.arange(t)[None, :] >= prompt[plain, None] - 1)
-  if mode == 'prefill':
+  if route == 'prefill':
     boundary = np.full((b,), t, np.int32)
   else:
     tail = config.attention.exact_tail if config.is_orthros else 0
@@ -126,13 +116,13 @@ def _per_example(logits, targets, weights):
 
 
 def score_batch(config: ModelConfig, params, batch: dict, *,
-                mode: str = 'inference') -> dict[str, np.ndarray]:
+                route: str = 'inference') -> dict[str, np.ndarray]:
   """Per-example scores of one batch: nll_sum, tokens, correct_tokens (all
   [B] float) and exact [B] bool (see the module docstring)."""
-  weights, boundary, end = scoring_layout(batch, config, mode)
+  weights, boundary, end = scoring_layout(batch, config, route)
   inputs = jnp.asarray(batch['inputs'], jnp.int32)
   t = inputs.shape[1]
-  if mode == 'forward':
+  if route == 'forward':
     logits = _forward_logits(config, params, inputs,
                              jnp.asarray(boundary) if config.is_orthros
                              else None)
@@ -162,14 +152,14 @@ def wilson_interval(successes: int, n: int, z: float = 1.96
 
 
 def score(config: ModelConfig, params, batches: Iterable[dict], *,
-          mode: str = 'inference', progress=None) -> dict[str, float]:
+          route: str = 'inference', progress=None) -> dict[str, float]:
   """Corpus-level scores over `batches`: loss (mean nll per scored token),
   token_accuracy, exact_match (fraction of examples) with its Wilson 95%
   interval, and the counts. `progress(n)` is called after each batch."""
   nll = tokens = correct = 0.0
   exact = examples = 0
   for batch in batches:
-    s = score_batch(config, params, batch, mode=mode)
+    s = score_batch(config, params, batch, route=route)
     has = s['tokens'] > 0
     nll += float(s['nll_sum'].sum())
     tokens += float(s['tokens'].sum())

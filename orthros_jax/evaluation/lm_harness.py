@@ -1,24 +1,25 @@
 """lm-evaluation-harness bridge: score any row of a report with lm-eval tasks.
 
 `HarnessLM` is an `lm_eval` model (`lm_eval.api.model.TemplateLM`) over one
-row of orthros_jax/evaluation/variants.py, i.e. (config, params, path):
+row of orthros_jax/evaluation/variants.py, i.e. (config, params, route)
+(routes: orthros_jax/evaluation/routes.py):
 
   loglikelihood          (context, continuation) pairs, scored through the
-                         inference path exactly as
+                         row's route exactly as
                          `inference.score_batch` scores a prompt and its
-                         answer: path 'generate' (teacher, dense, window,
+                         answer: route 'inference' (teacher, dense, window,
                          Orthros rows) puts the context through the prefill
                          (Orthros: all but its exact tail) and the
-                         continuation through exact decode; path 'prefill'
+                         continuation through exact decode; route 'prefill'
                          (pure linear) every token through the prefill
                          formula. is_greedy is the exact-match flag.
   loglikelihood_rolling  a document's log-likelihood over disjoint windows
                          of `max_length` tokens, every token of a window
-                         teacher-forced through one prefill (mode 'prefill'):
+                         teacher-forced through one prefill (route 'prefill'):
                          how a long document is read at inference, so the
                          Orthros row measures its prefill approximation.
   generate_until         greedy continuations through
-                         `evaluation.retrieval.greedy` (path 'generate':
+                         `evaluation.retrieval.greedy` (route 'inference':
                          `orthros_jax.generate`), cut at the first `until`
                          string or the tokenizer's eos.
 
@@ -43,6 +44,7 @@ from lm_eval.api.model import TemplateLM
 from orthros_jax.config import ModelConfig
 from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import retrieval
+from orthros_jax.evaluation import routes
 
 _BUCKET = 64  # sequence widths are padded to a multiple (fewer compiles)
 
@@ -52,7 +54,7 @@ def _bucket(n: int) -> int:
 
 
 class HarnessLM(TemplateLM):
-  """An lm-eval model over one report row: (config, params, path).
+  """An lm-eval model over one report row: (config, params, route).
 
   tokenizer: the project's tokenizer (orthros_jax/data/tokenizers.py);
   max_length: the longest scored sequence (contexts are cut from the left,
@@ -61,23 +63,20 @@ class HarnessLM(TemplateLM):
   """
 
   def __init__(self, config: ModelConfig, params, tokenizer, *,
-               path: str = 'generate', max_length: int = 2048,
+               route: str = 'inference', max_length: int = 2048,
                batch_size: int = 1, max_gen_toks: int = 256):
     super().__init__()
-    if path not in retrieval.PATHS:
-      raise ValueError(f'path={path!r} is unknown: expected one of '
-                       f'{retrieval.PATHS}')
+    routes.check(route, routes.GENERATION_ROUTES)
     for name, value in (('max_length', max_length),
                         ('batch_size', batch_size),
                         ('max_gen_toks', max_gen_toks)):
       if int(value) < 1:
         raise ValueError(f'{name} must be >= 1, got {value}')
-    self.config, self.params, self.path = config, params, path
+    self.config, self.params, self.route = config, params, route
     self.tok = tokenizer
     self.max_length = int(max_length)
     self.batch_size = int(batch_size)
     self.max_gen_toks = int(max_gen_toks)
-    self.mode = 'inference' if path == 'generate' else 'prefill'
 
   # ------------------------------------------------------------ tokenizer
 
@@ -102,10 +101,10 @@ class HarnessLM(TemplateLM):
   # ------------------------------------------------------------ scoring
 
   def score_tokens(self, pairs: Sequence[tuple[list[int], list[int]]], *,
-                   mode: str | None = None) -> list[tuple[float, bool]]:
+                   route: str | None = None) -> list[tuple[float, bool]]:
     """(log-likelihood, exact) of each (context ids, continuation ids),
-    through `inference.score_batch` in `mode` (default: this row's)."""
-    mode = mode or self.mode
+    through `inference.score_batch` on `route` (default: this row's)."""
+    route = route or self.route
     results: list[tuple[float, bool] | None] = [None] * len(pairs)
     cut = []
     for i, (ctx, cont) in enumerate(pairs):
@@ -137,7 +136,8 @@ class HarnessLM(TemplateLM):
         batch['targets'][r, :n] = whole[1:]
         batch['weights'][r, ctx_len - 1:n] = 1.0
         batch['prompt_lengths'][r] = ctx_len
-      out = inference.score_batch(self.config, self.params, batch, mode=mode)
+      out = inference.score_batch(self.config, self.params, batch,
+                                 route=route)
       for r, i in enumerate(idx):
         results[i] = (-float(out['nll_sum'][r]), bool(out['exact'][r]))
     return results  # type: ignore[return-value]
@@ -158,7 +158,7 @@ class HarnessLM(TemplateLM):
                      token_list=self.tok_encode(text),
                      prefix_token=self.prefix_token_id,
                      max_seq_len=self.max_length, context_len=1)]
-      scores = self.score_tokens(windows, mode='prefill')
+      scores = self.score_tokens(windows, route='prefill')
       out.append(math.fsum(s for s, _ in scores))
     return out
 
@@ -181,7 +181,7 @@ class HarnessLM(TemplateLM):
       keep = max(self.max_length - budget, 1)
       ids = ids[-keep:]
       gen = retrieval.greedy(self.config, self.params, [ids],
-                             max_new_tokens=budget, path=self.path,
+                             max_new_tokens=budget, route=self.route,
                              width=_bucket(len(ids)))[0]
       gen = [int(x) for x in gen]
       if self.eot_token_id in gen:
@@ -235,8 +235,8 @@ def run_tasks(models: Mapping[str, tuple[ModelConfig, dict, str]],
     groups.setdefault(None if n is None else int(n), []).append(task)
   manager = TaskManager(include_path=include_path or None)
   out: dict[str, dict[str, dict[str, float]]] = {}
-  for name, (config, params, path) in models.items():
-    lm = HarnessLM(config, params, tokenizer, path=path,
+  for name, (config, params, route) in models.items():
+    lm = HarnessLM(config, params, tokenizer, route=route,
                    max_length=max_length, batch_size=batch_size,
                    max_gen_toks=max_gen_toks)
     out[name] = {}

@@ -1,15 +1,12 @@
 """Retrieval accuracy from generated tokens (greedy), for the three models of
 every report.
 
-A model is run as it would be deployed:
-  'generate'  `orthros_jax.generate`: the prompt through the prefill (hybrid
-              for Orthros, all but the exact tail), the answer decoded with
-              exact attention over the cache (dense models: dense prefill);
-  'prefill'   every token, prompt and generated, through the prefill
-              formula: the prompt in one prefill, then each generated token
-              as a one-token continued prefill. With window 0 and no exact
-              tail this is a pure linear-attention (recurrent) model: the
-              floor, which has no exact decode to fall back on.
+A model is run as it would be deployed, on one of the generation routes of
+`orthros_jax/evaluation/routes.py`: 'inference' is `orthros_jax.generate`
+(the prompt but its exact tail through the prefill, the answer decoded
+exactly over the cache); 'prefill' runs the prompt in one prefill and each
+generated token as a one-token continued prefill (with window 0, no sinks
+and no exact tail: the pure linear-attention floor).
 """
 
 from __future__ import annotations
@@ -23,13 +20,11 @@ import numpy as np
 
 from orthros_jax.cache import init_cache
 from orthros_jax.config import ModelConfig
+from orthros_jax.evaluation import routes
 from orthros_jax.evaluation import tasks as tasks_lib
 from orthros_jax.generate import generate
 from orthros_jax.generate import pad_prompts
 from orthros_jax.model import Transformer
-
-PATHS = ('generate', 'prefill')
-
 
 @functools.partial(jax.jit, static_argnames=('config', 'max_new_tokens'))
 def _prefill_only_generate(config: ModelConfig, params, tokens, lengths, *,
@@ -55,7 +50,7 @@ def _prefill_only_generate(config: ModelConfig, params, tokens, lengths, *,
 
 
 def greedy(config: ModelConfig, params, prompts: Sequence[Sequence[int]], *,
-           max_new_tokens: int, path: str = 'generate',
+           max_new_tokens: int, route: str = 'inference',
            width: int | None = None, batch: int | None = None) -> np.ndarray:
   """Greedy continuations [B, max_new_tokens] of ragged `prompts`.
 
@@ -63,8 +58,7 @@ def greedy(config: ModelConfig, params, prompts: Sequence[Sequence[int]], *,
   the last prompt), so calls with different prompts share one compiled
   program; the padding rows are dropped from the result.
   """
-  if path not in PATHS:
-    raise ValueError(f'path={path!r} is unknown: expected one of {PATHS}')
+  routes.check(route, routes.GENERATION_ROUTES)
   tokens, lengths = pad_prompts(prompts)
   n = len(lengths)
   if width is not None and width > tokens.shape[1]:
@@ -72,7 +66,7 @@ def greedy(config: ModelConfig, params, prompts: Sequence[Sequence[int]], *,
   if batch is not None and batch > n:
     tokens = np.concatenate([tokens, np.repeat(tokens[-1:], batch - n, 0)])
     lengths = np.concatenate([lengths, np.repeat(lengths[-1:], batch - n)])
-  if path == 'generate':
+  if route == 'inference':
     out = generate(config, params, tokens, lengths=lengths,
                    max_len=tokens.shape[1] + max_new_tokens,
                    max_new_tokens=max_new_tokens).tokens
@@ -107,12 +101,12 @@ def run_task(models: Mapping[str, tuple[ModelConfig, dict, str]], task: str,
   # One prompt width for the whole task (a multiple of 64): one compile.
   width = -(-max(len(e.prompt) for e in examples) // 64) * 64
   out = {}
-  for name, (config, params, path) in models.items():
+  for name, (config, params, route) in models.items():
     scores, samples = [], []
     for i in range(0, len(examples), batch_size):
       chunk = examples[i:i + batch_size]
       gen = greedy(config, params, [e.prompt for e in chunk],
-                   max_new_tokens=new_tokens, path=path, width=width,
+                   max_new_tokens=new_tokens, route=route, width=width,
                    batch=batch_size)
       for e, row in zip(chunk, gen):
         ids = [int(x) for x in row]

@@ -128,7 +128,7 @@ def load_models(config) -> tuple[dict, dict]:
                        "checkpoint); the 'dense' row is the converted "
                        'weights with dense attention')
     teacher, t_params, t_where = teacher_model or load_dense(config.teacher)
-    models['teacher'] = (teacher, t_params, 'generate')
+    models['teacher'] = (teacher, t_params, 'inference')
     desc['teacher'] = f'{t_where}: the teacher as loaded, dense attention'
   rows, rows_desc = variants.converted_rows(
       student, params, [n for n in names if n not in ('teacher',
@@ -334,16 +334,14 @@ def run_quality(models, quality_cfg: Mapping[str, Any], tokenizer,
   out = {}
   with tqdm.tqdm(total=2 * len(models) * len(batches), desc='quality',
                  disable=not progress, dynamic_ncols=True) as bar:
-    for name, (config, params, path) in models.items():
-      path_mode = 'inference' if path == 'generate' else 'prefill'
-      tf_mode = 'prefill' if config.is_orthros else 'inference'
+    for name, (config, params, route) in models.items():
+      tf_route = 'prefill' if config.is_orthros else 'inference'
       res = {}
-      for label, mode in (('inference', path_mode),
-                          ('teacher_forced', tf_mode)):
-        s = inference.score(config, params, batches, mode=mode,
+      for label, how in (('inference', route), ('teacher_forced', tf_route)):
+        s = inference.score(config, params, batches, route=how,
                             progress=bar.update)
         s['perplexity'] = math.exp(s['loss'])
-        s['mode'] = mode
+        s['route'] = how
         res[label] = s
       out[name] = res
   return out

@@ -1,6 +1,6 @@
 """The baselines of every evaluation: which weights, which attention.
 
-Each row of a report is (config, params, path) plus a sentence saying
+Each row of a report is (config, params, route) plus a sentence saying
 exactly what it is. On the converted weights (an Orthros checkpoint):
   dense            the converted weights with dense attention: separates the
                    attention approximation from the finetune's drift;
@@ -57,7 +57,7 @@ def converted_rows(config: ModelConfig, params: dict, names, *, sinks: int,
   """The rows of `names` built on one Orthros checkpoint's weights.
 
   sinks: N for the rows that add sinks; where: how the report names the
-  checkpoint. Returns ({name: (config, params, path)}, {name: sentence}).
+  checkpoint. Returns ({name: (config, params, route)}, {name: sentence}).
   """
   a = config.attention
   trained_sinks = a.sinks
@@ -71,34 +71,34 @@ def converted_rows(config: ModelConfig, params: dict, names, *, sinks: int,
   for name in names:
     if name == 'dense':
       models[name] = (config.replace(attention={'kind': 'dense'}), params,
-                      'generate')
+                      'inference')
       desc[name] = f'{where}, these weights with dense attention'
     elif name == 'window':
       c, p = window_only(with_sinks(config, 0), params)
-      models[name] = (c, p, 'generate')
+      models[name] = (c, p, 'inference')
       desc[name] = (f'{where}, same weights: window {a.window} softmax only '
                     f'(linear term removed), no sinks, {exact}')
     elif name == 'window_sinks':
       c, p = window_only(with_sinks(config, sinks), params)
-      models[name] = (c, p, 'generate')
+      models[name] = (c, p, 'inference')
       desc[name] = (f'{where}, same weights: window {a.window} softmax plus '
                     f'the first {sinks} tokens exact, no linear term, '
                     f'{exact}')
     elif name == 'orthros':
-      models[name] = (config, params, 'generate')
+      models[name] = (config, params, 'inference')
       desc[name] = (f'{base}, {trained_sinks} sinks, as converted: hybrid '
                     f'prefill, {exact}')
     elif name == 'orthros_nosinks':
       if not trained_sinks:
         raise ValueError(f'{where} has no sinks: use orthros_sinks')
-      models[name] = (with_sinks(config, 0), params, 'generate')
+      models[name] = (with_sinks(config, 0), params, 'inference')
       desc[name] = (f'{where}, same weights, its {trained_sinks} sinks '
                     f'removed, {exact}')
     elif name == 'orthros_sinks':
       if trained_sinks:
         raise ValueError(f'{where} already has {trained_sinks} sinks: use '
                          'orthros (and orthros_nosinks)')
-      models[name] = (with_sinks(config, sinks), params, 'generate')
+      models[name] = (with_sinks(config, sinks), params, 'inference')
       desc[name] = (f'{where}, same weights plus the first {sinks} tokens '
                     f'exact, {exact}')
     elif name == 'linear':
