@@ -18,11 +18,14 @@ import pytest  # noqa: E402
 def _free_compiled_programs():
   """Every program XLA:CPU compiles maps its code into the process (three
   memory mappings a kernel, kept while jax's caches hold the executable). A
-  pytest-xdist worker runs half the suite in one process: it passed the
-  kernel's limit of 65530 mappings (vm.max_map_count) and the next compile
-  died with a segmentation fault (CI: a worker lost in
+  pytest-xdist worker runs half the suite in one process and, without this,
+  grew by 2-5 thousand mappings a minute (14,000 after 5 minutes of
+  test_eval/test_convert), toward the kernel's limit of 65530
+  (vm.max_map_count); the suite's workers died with a segmentation fault
+  inside an XLA compile late in the run (CI, twice:
   test_sharding.py::test_generation_equals_single_device). Dropping jax's
-  caches between modules frees the executables and their mappings."""
+  caches between modules frees the executables and their mappings (the
+  same tests then peak at 11,400)."""
   yield
   jax.clear_caches()
   gc.collect()
