@@ -12,11 +12,12 @@ import pytest
 import orthros_jax as oj
 from orthros_jax.conversion.lora import init_lora
 from orthros_jax.conversion.lora import merge_lora
-from orthros_jax.conversion.transfer import is_transfer_param
+from orthros_jax.conversion.transfer import TRANSFER_PARAMS
 from orthros_jax.conversion.transfer import teacher_attention_io
 from orthros_jax.conversion.transfer import transfer_loss
 from orthros_jax.model import Transformer
 from orthros_jax.model import init_orthros_params
+from orthros_jax.training.optim import trainable_labels
 
 TEACHER = oj.ModelConfig(vocab_size=64, num_layers=2, embed_dim=32,
                          num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -150,10 +151,11 @@ def test_stage1_lowers_mse_and_touches_only_feature_maps():
   params = orthros_params(teacher_params, config)
   tokens = jax.random.randint(jax.random.PRNGKey(2), (8, 64), 0, 64)
   inputs, outputs = teacher_attention_io(TEACHER, teacher_params, tokens)
-  train = jax.tree_util.tree_map_with_path(lambda p, _: is_transfer_param(p),
-                                           params)
+  # The mask stage 1 trains with (TrainConfig.trainable = TRANSFER_PARAMS).
+  train = trainable_labels(params, TRANSFER_PARAMS)
+  assert sorted(set(jax.tree.leaves(train))) == ['freeze', 'train']
   opt = optax.multi_transform(
-      {True: optax.adam(1e-2), False: optax.set_to_zero()}, train)
+      {'train': optax.adam(1e-2), 'freeze': optax.set_to_zero()}, train)
   opt_state = opt.init(params)
 
   @jax.jit
@@ -171,10 +173,10 @@ def test_stage1_lowers_mse_and_touches_only_feature_maps():
   print(f'stage 1 transfer MSE {first:.4g} -> {final:.4g}: '
         f'{first / final:.1f}x lower')
   assert first / final >= 3.0, (first, final)
-  for path, value in jax.tree_util.tree_leaves_with_path(params):
-    before = functools.reduce(lambda t, k: t[k.key], path, teacher_params) \
-        if not is_transfer_param(path) else None
-    if before is not None:
+  for (path, value), label in zip(
+      jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(train)):
+    if label == 'freeze':  # every frozen param is the teacher's, unchanged
+      before = functools.reduce(lambda t, k: t[k.key], path, teacher_params)
       np.testing.assert_array_equal(value, before)
 
 
@@ -295,8 +297,10 @@ def test_stages_train_through_the_shared_loop(tmp_path):
       train_step=make_objective_step(transfer_objective(config)))
   losses = [h['loss'] for h in history]
   assert losses[-1] < 0.7 * losses[0], losses
-  for path, value in jax.tree_util.tree_leaves_with_path(state.params):
-    if not is_transfer_param(path):
+  for (path, value), label in zip(
+      jax.tree_util.tree_leaves_with_path(state.params),
+      jax.tree.leaves(trainable_labels(state.params, stage1.trainable))):
+    if label == 'freeze':
       before = functools.reduce(lambda t, k: t[k.key], path, base)
       np.testing.assert_array_equal(value, before)
   # Stage 2: LoRA on q/k/v/o with the phase-aware split; base frozen.

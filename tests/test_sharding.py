@@ -119,7 +119,7 @@ def _params_init():
 
 def _train(part, steps=2):
   tc = loop.TrainConfig(learning_rate=1e-2, warmup_steps=1, num_steps=10)
-  tx = loop.make_optimizer(tc)
+  tx = tc.optimizer()
   init = state_lib.init_fn(_params_init, tx)
   if part is None:
     state = init()

@@ -7,7 +7,8 @@ is then trained so that its prefill output on the teacher's own input matches
 the teacher's output: the per-layer mean squared error over valid tokens,
 summed over layers (LoLCATs). Layers are independent given the teacher's
 hidden states, so all of them train at once in one loss. Only the feature
-maps and window weights receive gradients (see `is_transfer_param`).
+maps, window weights and length exponents (`TRANSFER_PARAMS`, the
+stage's `TrainConfig.trainable`) receive gradients.
 
 Einsum legend: L layers, B batch, T tokens, E embed.
 """
@@ -23,12 +24,6 @@ from orthros_jax.model import transformer
 
 Array = jax.Array
 TRANSFER_PARAMS = ('phi_q', 'phi_k', 'window_logit', 'length_exponent')
-
-
-def is_transfer_param(path: tuple) -> bool:
-  """True for the params stage 1 trains (feature maps, window weights)."""
-  names = [getattr(p, 'key', getattr(p, 'name', str(p))) for p in path]
-  return any(n in TRANSFER_PARAMS for n in names)
 
 
 def capture_layers(config: ModelConfig, params: dict, tokens: Array,

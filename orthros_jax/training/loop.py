@@ -104,12 +104,13 @@ class TrainConfig:
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in dict(values).items() if k in names})
 
-
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-  return optim.make_optimizer(
-      config.learning_rate, config.warmup_steps, config.total_updates,
-      config.weight_decay, config.b1, config.b2, config.clip_norm,
-      config.grad_accum_steps, config.trainable, config.lr_multipliers)
+  def optimizer(self) -> optax.GradientTransformation:
+    """AdamW with warmup + cosine, clipping, accumulation, the trainable
+    mask and lr multipliers of this config (`optim.make_optimizer`)."""
+    return optim.make_optimizer(
+        self.learning_rate, self.warmup_steps, self.total_updates,
+        self.weight_decay, self.b1, self.b2, self.clip_norm,
+        self.grad_accum_steps, self.trainable, self.lr_multipliers)
 
 
 def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
@@ -127,7 +128,7 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
   data_iterator: yields batches (see step.py); with get_state()/set_state()
     its position is checkpointed and restored.
   train_step: default `make_train_step(model_config, split_mode=...)`.
-  optimizer: default AdamW from `config` (make_optimizer).
+  optimizer: default AdamW from `config` (`TrainConfig.optimizer`).
   eval_fn: (state, step) -> scalars, logged with an 'eval/' prefix.
   partitioner: a sharding.Partitioner: the state is initialized (or
     restored) directly sharded, params and Adam moments like the model's
@@ -140,7 +141,7 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
   if not isinstance(config, TrainConfig):
     config = TrainConfig.from_mapping(config)
   workdir = os.fspath(workdir)
-  tx = optimizer or make_optimizer(config)
+  tx = optimizer or config.optimizer()
   train_step = train_step or step_lib.make_train_step(
       model_config, split_mode=config.split_mode, partitioner=partitioner,
       trainable=config.trainable)
