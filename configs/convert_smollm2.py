@@ -5,23 +5,21 @@
   python convert.py --config=configs/convert_smollm2.py \
       --workdir=results/smollm2/convert
 
-`arg` 'linear' is the trained pure-linear floor: the same recipe and budget
-with window 0, no sinks, and stage 2 through the prefill formula at every
-position (split_mode 'none'), as the floor is evaluated. 'long' continues
-the committed conversion (assets/smollm2_orthros: this recipe's stages 1 and
-2 on 1024-token rows) with a second stage 2 on rows of 4096 tokens (batch
-1, STAGE2_LONG_STEPS steps; stage2.from_adapter): the evaluation reaches 4K,
-where the 1K conversion fails (benchmarks/RESULTS.md). 'rows4k' is the whole
-recipe (stage 1 from fresh feature maps, then stage 2) on rows of 4096
-tokens, batch 1, with the same token budgets (80 + 80 steps): the 1K stage
-1's feature maps fit 4K rows 4.4x worse than 1K rows (held-out transfer
-MSE 21.85 against 5.003; benchmarks/RESULTS.md). 'lscale' adds
-attention.length_scale (a learned per-head power of each query's count of
-older tokens scales its linear weights; docs/ARCHITECTURE.md section 3),
-which stage 1 fits from every prefix of the 1K rows: on held-out text the
-plain maps' mass on older tokens grows from 0.27 at 1K to 0.61 at 4K where
-the teacher's stays at 0.33-0.37 (benchmarks/linear_share.py). 'smoke'
-shrinks everything to a few steps; args combine with commas.
+`arg` (combine with commas):
+  'linear'  the trained pure-linear floor: the same recipe and budget with
+            window 0, no sinks, and stage 2 through the prefill formula at
+            every position (split_mode 'none'), as the floor is evaluated;
+  'long'    a second stage 2 on rows of 4096 tokens (batch 1,
+            STAGE2_LONG_STEPS steps) continuing the committed 1K adapter
+            (assets/smollm2_orthros; stage2.from_adapter);
+  'rows4k'  the whole recipe on rows of 4096 tokens, batch 1, with the same
+            token budgets (80 + 80 steps);
+  'lscale'  adds attention.length_scale (a learned per-head power of each
+            prefill query's count of older tokens scales its linear weights;
+            docs/ARCHITECTURE.md section 3), fitted by stage 1;
+  'smoke'   every stage a few steps.
+Why each exists and what it measured: benchmarks/RESULTS.md
+("SmolLM2-135M-Instruct").
 
 Conversion data: docstrings of Python's standard library
 (orthros_jax/data/corpus.py), generic English prose about software, built
@@ -33,8 +31,7 @@ and window weights to match each layer's attention output (per-layer MSE,
 lr 1e-2); stage 2 trains LoRA r=8 (alpha 16) on q/k/v/o at lr 1e-4 with
 next-token loss through a random prefill/decode split of every text row.
 Sinks: the first 4 tokens stay exact in every prefill query (StreamingLLM);
-pretrained models park attention on their first tokens (the window rows
-of eval.py measure it: benchmarks/RESULTS.md). Budget: 160 + 160 steps of 1024 x 2 tokens
+pretrained models park attention on their first tokens. Budget: 160 + 160 steps of 1024 x 2 tokens
 (0.33M + 0.33M tokens); wall time on a 2-core CPU in benchmarks/RESULTS.md.
 convert.py resumes a killed run where it stopped.
 """
