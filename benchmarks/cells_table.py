@@ -29,7 +29,7 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
-from orthros_jax.evaluation import suite  # pylint: disable=wrong-import-position
+from orthros_jax.evaluation import cells  # pylint: disable=wrong-import-position
 from orthros_jax.evaluation.inference import wilson_interval  # pylint: disable=wrong-import-position
 
 ORDER = ('teacher', 'dense', 'window', 'window_sinks', 'orthros',
@@ -39,13 +39,13 @@ ORDER = ('teacher', 'dense', 'window', 'window_sinks', 'orthros',
 def load_cells(path: str) -> dict:
   """{(task, length, depth, model): largest stored row}."""
   if os.path.isdir(path):
-    path = os.path.join(path, suite.CELLS_FILE)
+    path = os.path.join(path, cells.CELLS_FILE)
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path} does not exist: run eval.py with --out '
                             'pointing at its directory first')
   keys: dict = {}
   best: dict = {}
-  for key, rows in suite._read_cells(path).items():  # pylint: disable=protected-access
+  for key, rows in cells.read_cells(path).items():
     for row in rows:
       cell = (row['task'], row['length'], row['depth'], row['model'])
       if keys.setdefault(cell, key) != key:

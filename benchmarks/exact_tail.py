@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 import ml_collections  # pylint: disable=wrong-import-position
 
 from orthros_jax.data import get_tokenizer  # pylint: disable=wrong-import-position
+from orthros_jax.evaluation import loading  # pylint: disable=wrong-import-position
 from orthros_jax.evaluation import retrieval  # pylint: disable=wrong-import-position
-from orthros_jax.evaluation import suite  # pylint: disable=wrong-import-position
 from orthros_jax.evaluation import variants  # pylint: disable=wrong-import-position
 
 ROWS = ('window_sinks', 'orthros')
@@ -46,7 +46,7 @@ def run(checkpoint: str, teacher: str, *, tails, tasks, lengths,
   cfg = ml_collections.ConfigDict(dict(
       checkpoint=checkpoint, teacher=teacher, models=('teacher', 'orthros'),
       sinks=sinks))
-  loaded, desc = suite.load_models(cfg)
+  loaded, desc = loading.load_models(cfg)
   student, params, _ = loaded['orthros']
   models = {'teacher': loaded['teacher']}
   descriptions = {'teacher': desc['teacher']}

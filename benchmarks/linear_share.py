@@ -43,7 +43,7 @@ from orthros_jax.config import ModelConfig  # pylint: disable=wrong-import-posit
 from orthros_jax.conversion import transfer  # pylint: disable=wrong-import-position
 from orthros_jax.data import get_tokenizer  # pylint: disable=wrong-import-position
 from orthros_jax.data import make_dataset  # pylint: disable=wrong-import-position
-from orthros_jax.evaluation import suite  # pylint: disable=wrong-import-position
+from orthros_jax.evaluation import loading  # pylint: disable=wrong-import-position
 from orthros_jax.model import Attention  # pylint: disable=wrong-import-position
 
 
@@ -95,7 +95,7 @@ def run(checkpoints, teacher: str, *, lengths, rows: int, seed: int,
     cfg = ml_collections.ConfigDict(dict(checkpoint=path, teacher=teacher,
                                          models=('teacher', 'orthros'),
                                          sinks=sinks))
-    models, _ = suite.load_models(cfg)
+    models, _ = loading.load_models(cfg)
     loaded[path] = models['orthros'][:2]
     teacher_model = models['teacher'][:2]
   t_cfg, t_params = teacher_model

@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 
 from orthros_jax.data import get_tokenizer  # noqa: E402
 from orthros_jax.evaluation import tasks as tasks_lib  # noqa: E402
-from orthros_jax.evaluation.suite import load_checkpoint  # noqa: E402
+from orthros_jax.evaluation.loading import load_checkpoint  # noqa: E402
 from orthros_jax.model import Attention  # noqa: E402
 from orthros_jax.model import Transformer  # noqa: E402
 

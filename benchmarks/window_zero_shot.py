@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 
 from orthros_jax.conversion.pipeline import init_student  # pylint: disable=g-import-not-at-top,wrong-import-position
 from orthros_jax.data import get_tokenizer  # pylint: disable=wrong-import-position
+from orthros_jax.evaluation import loading  # pylint: disable=wrong-import-position
 from orthros_jax.evaluation import retrieval  # pylint: disable=wrong-import-position
-from orthros_jax.evaluation import suite  # pylint: disable=wrong-import-position
 from orthros_jax.evaluation import variants  # pylint: disable=wrong-import-position
 
 
@@ -40,7 +40,7 @@ def run(teacher: str, *, tasks, lengths, num_examples: int, window,
         tokenizer: str | None = None, exact_tail: int = 1) -> dict:
   """window: one W, or several (rows then named window@W,
   window_sinks@W)."""
-  config, params, where = suite.load_dense(teacher)
+  config, params, where = loading.load_dense(teacher)
   tokenizer = get_tokenizer(tokenizer or teacher)
   windows = [window] if isinstance(window, int) else list(window)
   models = {'teacher': (config, params, 'inference')}

@@ -28,7 +28,7 @@ from orthros_jax.cache import Cache
 from orthros_jax.cache import init_cache
 from orthros_jax.config import ModelConfig
 from orthros_jax.conversion import adapter as adapter_lib
-from orthros_jax.evaluation.suite import load_dense
+from orthros_jax.evaluation.loading import load_dense
 from orthros_jax.generate import sample_logits
 from orthros_jax.model import Transformer
 

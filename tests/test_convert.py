@@ -23,7 +23,7 @@ from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.conversion import pipeline
 from orthros_jax.data import get_tokenizer
 from orthros_jax.evaluation import inference
-from orthros_jax.evaluation import suite
+from orthros_jax.evaluation import loading
 from orthros_jax.model import Transformer
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.config import model_config_from
@@ -642,10 +642,10 @@ def test_eval_applies_an_adapter_to_its_teacher(converted, teacher_dir):
   c.checkpoint = str(workdir / 'adapter')
   c.teacher = ''
   with pytest.raises(ValueError, match='teacher='):
-    suite.load_models(c)
+    loading.load_models(c)
   c.teacher = str(teacher_dir)
   c.models = ('teacher', 'orthros')
-  models, desc = suite.load_models(c)
+  models, desc = loading.load_models(c)
   merged, _, _ = ckpt_lib.load_params(workdir / 'orthros')
   np.testing.assert_allclose(
       np.asarray(models['orthros'][1]['layers_0']['attn']['q_proj']['kernel']),

@@ -17,7 +17,9 @@ import pytest
 import orthros_jax as oj
 from configs import eval_tiny
 from orthros_jax.data import get_tokenizer
+from orthros_jax.evaluation import cells
 from orthros_jax.evaluation import inference
+from orthros_jax.evaluation import loading
 from orthros_jax.evaluation import retrieval
 from orthros_jax.evaluation import routes
 from orthros_jax.evaluation import speed
@@ -183,7 +185,7 @@ def test_suite_baseline_rows_say_which_weights(checkpoints, tmp_path):
   c.models = variants.ROWS[:-1] + ('orthros',)  # a duplicate is harmless
   c.models = tuple(m for m in c.models if m != 'orthros_nosinks')
   c.linear_checkpoint = ''
-  models, desc = suite.load_models(c)
+  models, desc = loading.load_models(c)
   assert list(models) == [m for m in variants.ROWS if m in c.models]
   assert 'same weights' not in desc['teacher'] and 'step 5' in desc['teacher']
   for name in ('window', 'window_sinks', 'orthros_sinks', 'linear'):
@@ -215,21 +217,21 @@ def test_suite_baseline_rows_say_which_weights(checkpoints, tmp_path):
 def test_suite_row_errors(checkpoints, tmp_path):
   c = _smoke_config(checkpoints, teacher=False)
   with pytest.raises(ValueError, match="'dense' row"):
-    suite.load_models(c)
+    loading.load_models(c)
   c.models = ('orthros_nosinks',)
   with pytest.raises(ValueError, match='no sinks'):
-    suite.load_models(c)
+    loading.load_models(c)
   c.models = ('linear_trained',)
   with pytest.raises(ValueError, match='linear_checkpoint'):
-    suite.load_models(c)
+    loading.load_models(c)
   c.linear_checkpoint = str(checkpoints / 'orthros')  # window 8: not linear
   with pytest.raises(ValueError, match='pure-linear'):
-    suite.load_models(c)
+    loading.load_models(c)
   lin = ORTHROS.replace(attention={'window': 0})
   ckpt_lib.save_params(tmp_path / 'lin', _init(lin, jax.random.PRNGKey(4)),
                        lin, step=2)
   c.linear_checkpoint = str(tmp_path / 'lin')
-  models, desc = suite.load_models(c)
+  models, desc = loading.load_models(c)
   assert models['linear_trained'][2] == 'prefill'
   assert 'its own weights' in desc['linear_trained']
 
@@ -371,7 +373,7 @@ def test_eval_smollm2_variants():
 
 def test_task_counts_per_length_and_generation_budget(checkpoints,
                                                      monkeypatch):
-  models = {'orthros': suite.load_models(_smoke_config(checkpoints))[0][
+  models = {'orthros': loading.load_models(_smoke_config(checkpoints))[0][
       'orthros']}
   tok = get_tokenizer('byte')
   budgets = []
@@ -406,7 +408,7 @@ def test_retrieval_cells_resume_and_follow_the_weights(checkpoints, tmp_path,
   evaluation resumes), computes a cell whose model's weights changed, and
   returns rows equal to the first run's."""
   c = _smoke_config(checkpoints)
-  models = suite.load_models(c)[0]
+  models = loading.load_models(c)[0]
   models = {k: models[k] for k in ('teacher', 'orthros')}
   tok = get_tokenizer('byte')
   spec = {'passkey': dict(lengths=(300,), depths=(0.2, 0.8),
@@ -422,14 +424,14 @@ def test_retrieval_cells_resume_and_follow_the_weights(checkpoints, tmp_path,
   first = suite.run_tasks(models, spec, tok, seed=0, progress=False,
                           out_dir=str(tmp_path))
   assert calls == [['orthros', 'teacher']] * 2
-  lines = (tmp_path / suite.CELLS_FILE).read_text().splitlines()
+  lines = (tmp_path / cells.CELLS_FILE).read_text().splitlines()
   assert len(lines) == 4
   calls.clear()
   again = suite.run_tasks(models, spec, tok, seed=0, progress=False,
                           out_dir=str(tmp_path))
   assert not calls and again == json.loads(json.dumps(first))
   # A torn last line (killed mid-write) is ignored, not fatal.
-  with open(tmp_path / suite.CELLS_FILE, 'a') as f:
+  with open(tmp_path / cells.CELLS_FILE, 'a') as f:
     f.write('{"key": "abc", "ro')
   # Other weights under the same name: recomputed, the teacher reused.
   config, params, path = models['orthros']
@@ -460,35 +462,35 @@ def test_retrieval_cells_resume_and_follow_the_weights(checkpoints, tmp_path,
 def test_first_examples_of_a_stored_cell():
   row = {'scores': [1.0, 0.0, 0.5, 1.0], 'n': 4, 'accuracy': 0.625,
          'samples': [1, 2, 3], 'model': 'm'}
-  sub = suite.first_examples(row, 3)
+  sub = cells.first_examples(row, 3)
   assert sub['n'] == 3 and sub['accuracy'] == pytest.approx(0.5)
   assert sub['exact'] == pytest.approx(1 / 3) and sub['scores'] == [1.0, 0.0,
                                                                     0.5]
   assert sub['ci95'] == list(inference.wilson_interval(2, 3))
   assert sub['model'] == 'm'
   with pytest.raises(ValueError, match='cannot'):
-    suite.first_examples(row, 5)
+    cells.first_examples(row, 5)
 
 
 def test_exact_tail_override_applies_to_every_converted_row(checkpoints):
   c = _smoke_config(checkpoints)
   c.models = ('teacher', 'window', 'window_sinks', 'orthros')
   c.exact_tail = 5
-  models, desc = suite.load_models(c)
+  models, desc = loading.load_models(c)
   for name in ('window', 'window_sinks', 'orthros'):
     assert models[name][0].attention.exact_tail == 5
     assert 'last 5 prompt tokens' in desc[name]
   assert not models['teacher'][0].is_orthros
   c.exact_tail = -1
-  models, _ = suite.load_models(c)
+  models, _ = loading.load_models(c)
   assert models['orthros'][0].attention.exact_tail == (
       ORTHROS.attention.exact_tail)
 
 
 def test_cell_batch_pads_at_most_one_row_per_batch():
   for num in range(1, 50):
-    b = suite.cell_batch(num)
+    b = cells.cell_batch(num)
     batches = -(-num // b)
     assert b <= 8 and batches == -(-num // 8)
     assert batches * b - num < batches
-  assert suite.cell_batch(20) == 7 and suite.cell_batch(10) == 5
+  assert cells.cell_batch(20) == 7 and cells.cell_batch(10) == 5

@@ -1,4 +1,4 @@
-"""Evaluation retrieval tasks (orthros_jax/evaluation/tasks.py) and the niah
+"""Evaluation retrieval tasks (orthros_jax/evaluation/tasks/) and the niah
 training task: determinism, lengths, answers recoverable from the prompt
 (re-derived with independent parsers: regexes, counters, chain resolution),
 depth placement, scoring and the training pipeline."""

@@ -43,7 +43,7 @@ from orthros_jax.checkpoints.tensor_dir import write_tensor_dir
 from orthros_jax.config import ModelConfig
 from orthros_jax.config import model_config_from
 from orthros_jax.conversion import adapter as adapter_lib
-from orthros_jax.evaluation.suite import load_dense
+from orthros_jax.evaluation.loading import load_dense
 from orthros_jax.model import Transformer
 
 WEIGHTS = 'model.safetensors'

@@ -25,7 +25,8 @@ and after whitespace normalization, any phrase of `eval_phrases()`: the
 literal pieces (between `{placeholders}` and newlines, of 3 words or more) of
 every upper-case string constant of `orthros_jax.data.synthetic` (passkey and
 needle templates, the passkey/noise filler sentences) and
-`orthros_jax.evaluation.tasks` (RULER heads, needles and questions), plus every
+every module of `orthros_jax.evaluation.tasks` (RULER heads, needles and
+questions), plus every
 sentence of the essay haystack (`synthetic.haystack_sentences()`, Python's
 bundled documentation topics). The phrase list is read from those modules, so a
 new template constant is covered without editing this file. The manifest
@@ -60,6 +61,7 @@ import importlib
 import inspect
 import json
 import os
+import pkgutil
 import platform
 import re
 import shutil
@@ -107,6 +109,20 @@ def _template_pieces(template: str) -> list[str]:
   return [p for p in pieces if len(_WORD.findall(p)) >= MIN_PHRASE_WORDS]
 
 
+def _eval_modules() -> Iterator[tuple[str, Any]]:
+  """(label, module) of EVAL_MODULES; a package contributes every module in
+  it (the evaluation's task templates live in the modules of
+  `orthros_jax.evaluation.tasks`), labelled by the package's short name, so
+  a template in a new task module is covered without editing this file."""
+  for module_name in EVAL_MODULES:
+    module = importlib.import_module(module_name)
+    short = module_name.rsplit('.', 1)[-1]
+    yield short, module
+    for info in pkgutil.walk_packages(getattr(module, '__path__', ()),
+                                      module_name + '.'):
+      yield short, importlib.import_module(info.name)
+
+
 @functools.lru_cache(maxsize=1)
 def eval_phrases() -> dict[str, str]:
   """{normalized phrase: where it comes from} for every evaluation template and haystack.
@@ -115,9 +131,7 @@ def eval_phrases() -> dict[str, str]:
   `str`) of EVAL_MODULES; the essay haystack adds each of its sentences.
   """
   phrases: dict[str, str] = {}
-  for module_name in EVAL_MODULES:
-    module = importlib.import_module(module_name)
-    short = module_name.rsplit('.', 1)[-1]
+  for short, module in _eval_modules():
     for name in sorted(vars(module)):
       value = getattr(module, name)
       if not name.isupper():

@@ -37,9 +37,9 @@ Tasks:
   " What is the special magic number for K? The special magic number for K
   is:". In both, like the passkey template (and unlike RULER's, whose
   answer prefix paraphrases the needle: see the niah_* tasks in
-  orthros_jax/evaluation/tasks.py), the answer prefix repeats the needle's
+  orthros_jax/evaluation/tasks/), the answer prefix repeats the needle's
   own words, so a small model can retrieve by matching them. The evaluation
-  task of the same name (orthros_jax/evaluation/tasks.py) uses the same
+  task of the same name (orthros_jax/evaluation/tasks/) uses the same
   templates (`niah_parts`).
 
 The haystack helpers (`haystack_text`, `haystack_sentences`, `fill_sentences`,
