@@ -189,10 +189,19 @@ class Attention(nn.Module):
 
   @property
   def attention_backend(self) -> AttentionBackend:
-    """The backend given to the model, or the single-device one."""
-    if self.backend is not None:
-      return self.backend
-    return AttentionBackend.for_model(self.config)
+    """The backend given to the model, or the single-device one. A given
+    backend must be this config's (`AttentionBackend.for_model(config,
+    placement)`): it carries the window, sinks, chunk and heads it was
+    built for, and a mismatch would run another attention."""
+    if self.backend is None:
+      return AttentionBackend.for_model(self.config)
+    own = AttentionBackend.for_model(self.config, self.backend.placement)
+    if self.backend != own:
+      raise ValueError(f'the attention backend {self.backend} was built for '
+                       f'another config than this model\'s ({own}); build '
+                       'it with AttentionBackend.for_model(config, '
+                       'placement) or Partitioner.model(config)')
+    return self.backend
 
   def _orthros_inputs(self, q, k, positions):
     """(phi_q, phi_k, gamma); positions [B, T]: each query's absolute

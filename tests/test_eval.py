@@ -2,6 +2,7 @@
 and the suite end to end on small random checkpoints."""
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -485,6 +486,19 @@ def test_exact_tail_override_applies_to_every_converted_row(checkpoints):
   models, _ = loading.load_models(c)
   assert models['orthros'][0].attention.exact_tail == (
       ORTHROS.attention.exact_tail)
+
+
+def test_cell_keys_outlive_the_route_rename():
+  """Cells stored when the 'inference' route was called 'generate' keep
+  their keys (a rerun into the same --out reuses them); other routes and
+  rows hash apart."""
+  args = ('passkey', 256, 0.5, 0, {'digits': 5}, 24, 'orthros')
+  legacy = hashlib.sha256(json.dumps(
+      [*args, 'generate', 'f00d'], sort_keys=True,
+      default=str).encode()).hexdigest()
+  assert cells.cell_key(*args, 'inference', 'f00d') == legacy
+  assert cells.cell_key(*args, 'prefill', 'f00d') != legacy
+  assert cells.cell_key(*args, 'inference', 'beef') != legacy
 
 
 def test_cell_batch_pads_at_most_one_row_per_batch():

@@ -19,10 +19,13 @@ from orthros_jax import generate
 from orthros_jax import init_cache
 from orthros_jax import sharding
 from orthros_jax.attention import context_parallel
+from orthros_jax.attention import dispatch
 from orthros_jax.attention.orthros import LinearState
 from orthros_jax.attention.orthros import WindowPrefix
 from orthros_jax.attention.orthros import orthros_prefill
 from orthros_jax.attention.softmax import decode_attention
+from orthros_jax.conversion import stages
+from orthros_jax.conversion.lora import init_lora
 from jax.sharding import PartitionSpec as P
 
 from orthros_jax.sharding import Partitioner
@@ -181,6 +184,40 @@ def test_generation_equals_single_device(shape):
   k = out.cache[0].k
   assert k.sharding.is_equivalent_to(
       part.cache_shardings(out.cache)[0].k, k.ndim)
+
+
+def test_conversion_objectives_run_the_prefill_under_shard_map(monkeypatch):
+  """Stage 1 and stage 2 on a mesh put the Orthros prefill under the
+  placement's shard_map, traced as on a GPU (where impl='auto' picks the
+  Pallas kernel, which XLA cannot partition by itself); without a placement
+  neither does. Stage 1's student attention once missed its placement."""
+  monkeypatch.setattr(dispatch, '_backend', lambda: 'gpu')
+  part = _partitioner({'data': 4})
+  params = _params_init()
+  batch = {'inputs': jnp.ones((4, 16), jnp.int32),
+           'targets': jnp.ones((4, 16), jnp.int32),
+           'weights': jnp.ones((4, 16), jnp.float32),
+           'prompt_lengths': jnp.full((4,), 8, jnp.int32)}
+  rng = jax.random.PRNGKey(0)
+
+  lora = {'base': params, 'lora': init_lora(params, rng, rank=2)}
+  for make, p in ((stages.transfer_objective, params),
+                  (stages.finetune_objective, lora)):
+    for placement, expect in ((part.placement, True), (None, False)):
+      jaxpr = str(jax.make_jaxpr(make(CFG, placement=placement))(
+          p, batch, rng))
+      assert ('shard_map' in jaxpr) == expect, (make.__name__, placement)
+
+
+def test_a_backend_built_for_another_config_is_refused():
+  part = _partitioner({'data': 4})
+  other = CFG.replace(attention={'window': 7})
+  model = Transformer(CFG, part.attention_backend(other))
+  with pytest.raises(ValueError, match='another config'):
+    model.init(jax.random.PRNGKey(0), jnp.zeros((4, 8), jnp.int32),
+               phase='forward')
+  Transformer(CFG, part.attention_backend(CFG)).init(
+      jax.random.PRNGKey(0), jnp.zeros((4, 8), jnp.int32), phase='forward')
 
 
 def test_fsdp_parameter_memory_is_one_eighth():

@@ -50,7 +50,8 @@ def transfer_objective(config: ModelConfig, placement=None):
     inputs, outputs = teacher_attention_io(
         teacher, jax.lax.stop_gradient(params), tokens, placement)
     valid = real_tokens(batch['weights'])
-    loss, per_layer = transfer_loss(params, config, inputs, outputs, valid)
+    loss, per_layer = transfer_loss(params, config, inputs, outputs, valid,
+                                    placement)
     metrics = {f'mse/layer_{i}': per_layer[i]
                for i in range(config.num_layers)}
     return loss, dict(metrics, tokens=jnp.sum(valid))

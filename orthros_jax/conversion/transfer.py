@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from orthros_jax.attention.backend import AttentionBackend
 from orthros_jax.config import ModelConfig
 from orthros_jax.model import Attention
 from orthros_jax.model import transformer
@@ -63,11 +64,13 @@ def teacher_attention_io(teacher: ModelConfig, params: dict,
 
 
 def transfer_loss(params: dict, config: ModelConfig, inputs: Array,
-                  outputs: Array, weights: Array | None = None
-                  ) -> tuple[Array, Array]:
+                  outputs: Array, weights: Array | None = None,
+                  placement=None) -> tuple[Array, Array]:
   """Sum over layers of the MSE between the Orthros prefill output and the
   teacher output. inputs/outputs: [L, B, T, E]; weights: [B, T] (1 = valid
-  token; default all). Returns (loss, per-layer MSE [L])."""
+  token; default all); placement: the mesh of a sharded run
+  (`Partitioner.placement`: the prefill kernel runs under its shard_map).
+  Returns (loss, per-layer MSE [L])."""
   if not config.is_orthros:
     raise ValueError('attention transfer needs an Orthros config '
                      "(attention.kind='orthros')")
@@ -75,9 +78,11 @@ def transfer_loss(params: dict, config: ModelConfig, inputs: Array,
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   weights = jnp.ones((b, t), jnp.float32) if weights is None else weights
   denom = jnp.maximum(jnp.sum(weights), 1.0) * inputs.shape[-1]
+  backend = (None if placement is None
+             else AttentionBackend.for_model(config, placement))
   per_layer = []
   for i in range(config.num_layers):
-    y, _ = Attention(config).apply(
+    y, _ = Attention(config, backend).apply(
         {'params': params[f'layers_{i}']['attn']},
         inputs[i].astype(config.dtype), positions, phase='forward')
     err = jnp.square(y.astype(jnp.float32) - outputs[i])

@@ -17,6 +17,7 @@ from orthros_jax.config import ModelConfig
 from orthros_jax.evaluation import inference
 
 CELLS_FILE = 'retrieval_cells.jsonl'
+_KEY_ROUTE = {'inference': 'generate'}  # see cell_key
 
 
 def model_fingerprint(config: ModelConfig, params, _cache=None) -> str:
@@ -112,7 +113,10 @@ def cell_key(task: str, length: int, depth, seed: int, options: dict,
   """The key a retrieval cell is stored under: everything that decides its
   examples and answers (task, length, depth, seed, task options, generation
   budget) and the row (name, route, `model_fingerprint`); the example count
-  is left out (`stored_row` serves a smaller count from a larger cell)."""
+  is left out (`stored_row` serves a smaller count from a larger cell).
+  The route 'inference' hashes under its earlier name, 'generate', so cells
+  stored before the rename stay valid."""
+  route = _KEY_ROUTE.get(route, route)
   return hashlib.sha256(json.dumps(
       [task, length, depth, seed, options, budget, name, route, fingerprint],
       sort_keys=True, default=str).encode()).hexdigest()
