@@ -46,7 +46,7 @@ smollm2: $(VENV)/.installed-smollm2
 
 # The committed SmolLM2 adapter applied to the exported GGUF teacher, a
 # short evaluation (configs/eval_smollm2.py:quick): its table is printed.
-SMOLLM2_ADAPTER ?= assets/smollm2_orthros
+SMOLLM2_ADAPTER ?= assets/smollm2_orthros_lscale
 smollm2-eval: smollm2
 	$(PY) eval.py --config=configs/eval_smollm2.py:quick \
 	  --config.checkpoint=$(SMOLLM2_ADAPTER) --config.teacher=$(SMOLLM2_DIR) \

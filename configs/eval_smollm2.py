@@ -39,7 +39,7 @@ number is zero-shot. Rows: orthros_jax/evaluation/variants.py.
 import ml_collections
 
 TEACHER = 'results/smollm2/hf'
-ADAPTER = 'assets/smollm2_orthros'
+ADAPTER = 'assets/smollm2_orthros_lscale'
 CORPUS = 'results/corpus_pydoc'
 ALL_ROWS = ('teacher', 'dense', 'window', 'window_sinks', 'orthros',
             'orthros_nosinks', 'linear')
@@ -131,7 +131,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
         num_fewshot={'piqa': 0, 'arc_easy': 0, 'arc_challenge': 0,
                      'hellaswag': 0, 'winogrande': 0, 'mmlu': 5})
   elif arg == 'quick':
-    c.models = ('teacher', 'window_sinks', 'orthros', 'linear')
+    c.models = ('teacher', 'dense', 'window', 'window_sinks', 'orthros',
+                'linear')
     quick = dict(lengths=(1024, 2048), depths=(0.25, 0.75),
                  num_examples=(2, 2), max_new_tokens=BUDGET)
     c.tasks = dict(passkey=dict(quick), niah=dict(quick))

@@ -48,6 +48,38 @@ def zero_state(batch: int, num_heads: int, feature_dim: int,
       jnp.zeros((batch, num_heads, feature_dim), jnp.float32))
 
 
+def stable_max(m: Array) -> Array:
+  """A softmax row's stabiliser: its max score, or 0 where the row sees no
+  key (max -inf), so that exp(score - m) is exactly 0 there, never NaN.
+  (`m > -inf` rather than isfinite: it lowers in every Pallas backend.)"""
+  return jnp.where(m > -jnp.inf, m, 0.0)
+
+
+def normalize(num: Array, den: Array) -> Array:
+  """num / den, and 0 where den is 0 (a query that saw no key): the one
+  normalisation of every attention path, softmax and Orthros (den
+  broadcasts against num)."""
+  ok = den != 0
+  return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
+
+
+def zero_unwritten(v: Array, written: Array) -> Array:
+  """v [B, N, K, D] as float32 with the rows where written [B, N] is False
+  zeroed: such keys get weight 0, but a stale or uninitialised value there
+  (even NaN) must not reach p @ v, as 0 * NaN is NaN."""
+  return jnp.where(written[:, :, None, None], v.astype(jnp.float32), 0.0)
+
+
+def lse_combine(o: Array, m: Array, l: Array, axis: int) -> Array:
+  """Merges softmax attention computed in parts along `axis` (log-sum-exp):
+  o each part's normalised output, m its max score, l its sum of
+  exp(score - m) (m and l broadcast against o). Returns the normalised
+  attention over all parts; a query no part saw gets 0."""
+  m_all = stable_max(jnp.max(m, axis=axis, keepdims=True))
+  w = jnp.where(l > 0, jnp.exp(m - m_all) * l, 0.0)
+  return normalize(jnp.sum(w * o, axis=axis), jnp.sum(w, axis=axis))
+
+
 def next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 

@@ -29,7 +29,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import dot_dtype
+from pallas_kernels.common import lse_combine
 from pallas_kernels.common import next_pow2
+from pallas_kernels.common import normalize
+from pallas_kernels.common import stable_max
 
 # Triton launch settings of the GPU kernel and the largest split it takes:
 # on an H200 (232,448 bytes of shared memory per block) a split of 512 keys
@@ -70,8 +73,7 @@ def _partial(q, k, v, qpos, key_pos, key_pos_col, same_head=None, *, scale):
                           preferred_element_type=f32) * scale
   s = jnp.where(seen, s, -jnp.inf)
   m = jnp.max(s, axis=1, keepdims=True)
-  m_safe = jnp.where(m > -jnp.inf, m, 0.0)
-  p = jnp.where(seen, jnp.exp(s - m_safe), 0.0)
+  p = jnp.where(seen, jnp.exp(s - stable_max(m)), 0.0)
   l = jnp.sum(p, axis=1, keepdims=True)
   # Keys no query sees may be garbage (a partial last block reads past the
   # cache end, possibly NaN): zero them before p @ v, as 0 * NaN is NaN.
@@ -79,8 +81,7 @@ def _partial(q, k, v, qpos, key_pos, key_pos_col, same_head=None, *, scale):
   v = jnp.where(key_pos_col <= jnp.max(qpos), v.astype(f32), 0.0).astype(dt)
   # p in [0, 1] rounded to the input dtype, as flash attention does.
   o = jnp.dot(p.astype(dt), v, preferred_element_type=f32)
-  o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
-  return o, m, l
+  return normalize(o, l), m, l
 
 
 def _tpu_call(lengths, q, qpos, k_cache, v_cache, *, split, scale, interpret):
@@ -200,16 +201,6 @@ def _gpu_call(lengths, q, qpos, k_cache, v_cache, *, split, scale, interpret):
   )(len_rows, q, qpos, k_cache, v_cache)
 
 
-def _combine(o, m, l):
-  """Log-sum-exp merge over splits: o [B, K, n, M, D], m/l [B, K, n, M, 1]."""
-  m_all = jnp.max(m, axis=2, keepdims=True)
-  m_all = jnp.where(m_all > -jnp.inf, m_all, 0.0)
-  w = jnp.where(l > 0, jnp.exp(m - m_all) * l, 0.0)
-  den = jnp.sum(w, axis=2)
-  num = jnp.sum(w * o, axis=2)
-  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
-
-
 def _kernel(q, k_cache, v_cache, lengths, *, interpret, platform, max_split):
   b, tq, h, d = q.shape
   s, kh = k_cache.shape[1], k_cache.shape[2]
@@ -235,7 +226,7 @@ def _kernel(q, k_cache, v_cache, lengths, *, interpret, platform, max_split):
   o, mx, l = call(lengths, rows, qpos.astype(jnp.int32), k_cache, v_cache,
                   split=split_length(s, max_split), scale=1.0 / d ** 0.5,
                   interpret=interpret)
-  out = _combine(o, mx, l)[:, :, :m]  # [B, K, M, D]
+  out = lse_combine(o, mx, l, axis=2)[:, :, :m]  # [B, K, M, D]
   out = jnp.swapaxes(out.reshape(b, kh, tq, g, d), 1, 2).reshape(b, tq, h, d)
   return out.astype(q.dtype)
 

@@ -48,6 +48,8 @@ from pallas_kernels.common import LinearState
 from pallas_kernels.common import WindowPrefix
 from pallas_kernels.common import dot_dtype
 from pallas_kernels.common import next_pow2
+from pallas_kernels.common import normalize
+from pallas_kernels.common import stable_max
 from pallas_kernels.common import zero_state
 
 # Triton launch settings of the GPU kernel. num_stages 1: with 2, the
@@ -85,8 +87,7 @@ def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
   scores = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())),
                                preferred_element_type=f32) * scale
   scores = jnp.where(in_window, scores, -jnp.inf)
-  m = jnp.max(scores, axis=1, keepdims=True)
-  m = jnp.where(m > -jnp.inf, m, 0.0)
+  m = stable_max(jnp.max(scores, axis=1, keepdims=True))
   w = jnp.where(in_window, gamma * jnp.exp(scores - m), 0.0)
   lin = jax.lax.dot_general(phiq, phikb, (((1,), (1,)), ((), ())),
                             preferred_element_type=f32)
@@ -97,7 +98,7 @@ def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
       phiq, s_state, preferred_element_type=f32)
   den = jnp.sum(w, axis=1, keepdims=True) + jnp.sum(
       phiq * z_state, axis=1, keepdims=True)
-  y = jnp.where(den != 0, num / jnp.where(den != 0, den, 1.0), 0.0)
+  y = normalize(num, den)
   s_state, z_state = _fold(s_state, z_state, phik_old, v_old, key_start, lo,
                            hi)
   return y, s_state, z_state

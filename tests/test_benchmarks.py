@@ -13,7 +13,7 @@ import pytest
 
 from orthros_jax.attention import softmax
 from orthros_jax.conversion import adapter as adapter_lib
-from orthros_jax.conversion import pipeline
+from orthros_jax.conversion import teacher as teacher_lib
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.config import model_config_from
 
@@ -35,9 +35,9 @@ def test_exact_tail_script(tmp_path):
   the teacher does; the short tail runs the hybrid prefill."""
   params, cfg, _ = ckpt_lib.load_params(TEACHER)
   teacher = model_config_from(cfg)
-  student = pipeline.orthros_config(teacher, dict(
+  student = teacher_lib.orthros_config(teacher, dict(
       kind='orthros', window=16, chunk_size=8, feature_dim=8, sinks=2))
-  orthros = pipeline.init_student(params, student, jax.random.PRNGKey(0))
+  orthros = teacher_lib.init_student(params, student, jax.random.PRNGKey(0))
   adapter_lib.write_adapter(tmp_path / 'adapter', student, params, orthros,
                             {}, alpha=16.0)
   bench = _load('exact_tail')
@@ -224,10 +224,10 @@ def test_linear_share_script(tmp_path):
   params, cfg, _ = ckpt_lib.load_params(TEACHER)
   teacher = model_config_from(cfg)
   window, sinks = 6, 2
-  student = pipeline.orthros_config(teacher, dict(
+  student = teacher_lib.orthros_config(teacher, dict(
       kind='orthros', window=window, chunk_size=8, feature_dim=8,
       sinks=sinks))
-  orthros = pipeline.init_student(params, student, jax.random.PRNGKey(0))
+  orthros = teacher_lib.init_student(params, student, jax.random.PRNGKey(0))
   bench = _load('linear_share')
   t_len, first = 37, 20
   x = jax.random.normal(jax.random.PRNGKey(1), (1, t_len, student.embed_dim))

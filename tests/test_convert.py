@@ -21,7 +21,10 @@ from configs import convert_tiny
 from configs import tiny
 from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.conversion import pipeline
+from orthros_jax.conversion import plan as plan_lib
+from orthros_jax.conversion import teacher as teacher_lib
 from orthros_jax.data import get_tokenizer
+from orthros_jax.data import make_dataset
 from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import loading
 from orthros_jax.model import Transformer
@@ -359,7 +362,7 @@ def test_convert_config_takes_text_paths():
   # ignores it there.
   data = convert_tiny.get_config('smoke').data.to_dict()
   assert data['paths'] == ''
-  batch = next(iter(pipeline.make_dataset(**dict(
+  batch = next(iter(make_dataset(**dict(
       data, tokenizer=get_tokenizer(data['tokenizer'])))))
   assert batch['inputs'].shape == (data['batch_size'], data['seq_len'])
 
@@ -399,12 +402,12 @@ def test_teacher_checkpoint_mismatch_and_orthros_teacher(tmp_path):
   ckpt_lib.save_params(tmp_path / 'bad', params,
                        DENSE.replace(mlp_dim=48))
   with pytest.raises(ValueError, match='does not match'):
-    pipeline.load_teacher({'checkpoint': str(tmp_path / 'bad')})
+    teacher_lib.load_teacher({'checkpoint': str(tmp_path / 'bad')})
   ckpt_lib.save_params(tmp_path / 'orthros', _init(ORTHROS,
                                                    jax.random.PRNGKey(0)),
                        ORTHROS)
   with pytest.raises(ValueError, match='already an Orthros'):
-    pipeline.load_teacher({'checkpoint': str(tmp_path / 'orthros')})
+    teacher_lib.load_teacher({'checkpoint': str(tmp_path / 'orthros')})
 
 
 def test_convert_from_hugging_face_teacher(tmp_path):
@@ -426,8 +429,8 @@ def test_convert_from_hugging_face_teacher(tmp_path):
   # path equals transformers' teacher-forced loss on the same held-out rows.
   model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'hf')
   nll = tokens = 0.0
-  for batch in pipeline._eval_sets(  # pylint: disable=protected-access
-      c.eval, get_tokenizer('byte'))['mqar']():
+  for batch in plan_lib.EvalPlan.from_config(c.eval).datasets(
+      get_tokenizer('byte'))['mqar']():
     with torch.no_grad():
       logits = model(torch.tensor(batch['inputs'], dtype=torch.long)).logits
     logp = torch.log_softmax(logits.double(), -1).numpy()
@@ -597,18 +600,18 @@ def test_stage2_from_adapter_continues_its_lora(converted, teacher_dir,
   c.stage2.from_adapter = str(workdir / 'adapter')
   c.stage1.from_adapter = str(s1)
   with pytest.raises(ValueError, match='both'):
-    pipeline.check_config(c)
+    plan_lib.check_config(c)
   c.stage1.from_adapter = ''
   c.stage2.lora_rank = 4
   with pytest.raises(ValueError, match='adapter_config.json.*rank'):
     pipeline.convert(c, tmp_path / 'bad2')
   c.stage2.lora_rank = 0
   with pytest.raises(ValueError, match='lora_rank > 0'):
-    pipeline.check_config(c)
+    plan_lib.check_config(c)
   c.stage2.lora_rank = 8
   c.stage2.from_adapter = str(tmp_path / 'missing')
   with pytest.raises(ValueError, match='not an adapter directory'):
-    pipeline.check_config(c)
+    plan_lib.check_config(c)
 
 
 def test_adapter_refuses_other_base_and_broken_files(converted, teacher_dir,

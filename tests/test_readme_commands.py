@@ -146,8 +146,8 @@ def _entry_checks(script: str, config) -> None:
     model_config_from(config.model)
     loop.TrainConfig.from_mapping(config.train.to_dict())
   elif script == 'convert.py':
-    from orthros_jax.conversion import pipeline
-    pipeline.check_config(config)
+    from orthros_jax.conversion import plan
+    plan.check_config(config)
 
 
 def test_readme_commands_are_found():

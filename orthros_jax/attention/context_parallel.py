@@ -46,6 +46,9 @@ from orthros_jax.attention.orthros import fold_into_state
 from orthros_jax.attention.orthros import orthros_prefill
 from orthros_jax.attention.orthros import zero_state
 from orthros_jax.attention.placement import check_divisible
+from pallas_kernels.common import normalize
+from pallas_kernels.common import stable_max
+from pallas_kernels.common import zero_unwritten
 
 Array = jax.Array
 Axes = str | tuple[str, ...] | None
@@ -212,17 +215,12 @@ def _decode_shard(q, k, v, lengths, *, seq_axis, shard_len):
   scores = jnp.einsum('btkgd,bskd->bkgts', qf, k.astype(jnp.float32))
   scores = scores / jnp.sqrt(jnp.float32(d))
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-  m = jnp.max(scores, axis=-1)                                      # [B,K,G,Tq]
-  m_safe = jnp.where(jnp.isfinite(m), m, -jnp.inf)
-  m_all = jax.lax.pmax(m_safe, seq_axis)
-  m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+  # One stabiliser for every shard: the max over the whole cache.
+  m_all = stable_max(jax.lax.pmax(jnp.max(scores, axis=-1), seq_axis))
   p = jnp.exp(scores - m_all[..., None])                            # 0 if masked
   l = jax.lax.psum(jnp.sum(p, axis=-1), seq_axis)
-  # Values past the cache length are zeroed as in every other path: a
-  # masked weight is 0, but 0 * NaN (a stale or uninitialised slot) is NaN.
-  written = key_pos[None, :] < lengths[:, None]                     # [B, S]
-  v = jnp.where(written[:, :, None, None], v.astype(jnp.float32), 0.0)
+  # Values past the cache length are zeroed as in every other path.
+  v = zero_unwritten(v, key_pos[None, :] < lengths[:, None])
   o = jax.lax.psum(jnp.einsum('bkgts,bskd->btkgd', p, v), seq_axis)
   l = jnp.moveaxis(l, -1, 1)[..., None]                             # [B,Tq,K,G,1]
-  y = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
-  return y.reshape(b, tq, h, d).astype(q.dtype)
+  return normalize(o, l).reshape(b, tq, h, d).astype(q.dtype)

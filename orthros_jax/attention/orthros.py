@@ -37,6 +37,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import LinearState
 from pallas_kernels.common import WindowPrefix
+from pallas_kernels.common import normalize
+from pallas_kernels.common import stable_max
 from pallas_kernels.common import zero_state
 
 Array = jax.Array
@@ -209,7 +211,7 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
           b, h, c, num_sinks) / scale
       sink_scores = jnp.where(sink_on[:, None], sink_scores, -jnp.inf)
       m = jnp.maximum(m, jnp.max(sink_scores, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = stable_max(m)
     weights = gamma[None, :, None, None] * jnp.exp(scores - m)
     # Linear part for older keys inside the block.
     lin = jnp.einsum('bchf,bshf->bhcs', phiq_c, phikb)
@@ -227,8 +229,7 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
     num = num + jnp.einsum('bchf,bhfd->bchd', phiq_c, state.S)
     den = jnp.sum(weights, axis=-1).transpose(0, 2, 1)  # [B, C, H]
     den = den + jnp.einsum('bchf,bhf->bch', phiq_c, state.z)
-    y = jnp.where(den[..., None] != 0,
-                  num / jnp.where(den != 0, den, 1.0)[..., None], 0.0)
+    y = normalize(num, den[..., None])
     # The oldest chunk of the block leaves it: fold it into the state.
     leaving = tuple(x[:, :c] for x in (kb, vb, phikb, validb, foldb))
     state = fold_into_state(state, leaving[2], leaving[1], leaving[4])

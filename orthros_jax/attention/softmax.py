@@ -15,9 +15,12 @@ memory is O(block^2) per head instead of O(T * S).
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.common import normalize
+from pallas_kernels.common import stable_max
+from pallas_kernels.common import zero_unwritten
 
 Array = jax.Array
 
@@ -125,11 +128,9 @@ def _mask(q_pos, kv_len, s, causal):
 
 
 def _zero_invalid(v, kv_len, start):
-  """v [B, N, K, D] as float32 with keys at start + n >= kv_len zeroed: they
-  get probability 0, but garbage there (even NaN) must not reach p @ v."""
+  """v [B, N, K, D] as float32 with keys at start + n >= kv_len zeroed."""
   j = start + jnp.arange(v.shape[1], dtype=jnp.int32)
-  valid = j[None, :] < kv_len[:, None]
-  return jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
+  return zero_unwritten(v, j[None, :] < kv_len[:, None])
 
 
 def _attend_naive(q, k, v, q_pos, kv_len, *, causal):
@@ -140,14 +141,11 @@ def _attend_naive(q, k, v, q_pos, kv_len, *, causal):
                       preferred_element_type=jnp.float32) / jnp.sqrt(d)
   mask = _mask(q_pos, kv_len, s, causal)[:, None, None]  # [B, 1, 1, T, S]
   scores = jnp.where(mask, scores, -jnp.inf)
-  m = jnp.max(scores, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp(scores - m)
+  p = jnp.exp(scores - stable_max(jnp.max(scores, axis=-1, keepdims=True)))
   l = jnp.sum(p, axis=-1)  # [B, K, G, T]
   o = jnp.einsum('bkgts,bskd->btkgd', p, _zero_invalid(v, kv_len, 0))
   l = jnp.moveaxis(l, 3, 1)[..., None]  # [B, T, K, G, 1]
-  o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
-  return o.reshape(b, t, h, d).astype(q.dtype)
+  return normalize(o, l).reshape(b, t, h, d).astype(q.dtype)
 
 
 def _pad_axis(x, axis, multiple, value=0):
@@ -201,7 +199,7 @@ def _attend_blocked(q, k, v, q_pos, kv_len, *, causal, block):
           mask = mask & (j[None, None, :] <= pos[:, :, None])
         sc = jnp.where(mask[:, None, None], sc, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        m_safe = stable_max(m_new)
         p = jnp.exp(sc - m_safe[..., None])
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         l = l * alpha + jnp.sum(p, axis=-1)
@@ -216,8 +214,7 @@ def _attend_blocked(q, k, v, q_pos, kv_len, *, causal, block):
             jnp.zeros((b, kh, g, bq, d), jnp.float32))
     starts = jnp.arange(nk, dtype=jnp.int32) * bk
     (_, l, acc), _ = jax.lax.scan(visit, init, (starts, k_blocks, v_blocks))
-    o = jnp.where(l[..., None] > 0,
-                  acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    o = normalize(acc, l[..., None])
     return jnp.einsum('bkgqd->bqkgd', o)
 
   out = jax.lax.map(one_query_block,

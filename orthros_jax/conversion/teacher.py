@@ -5,6 +5,7 @@ by the pipeline (convert.py) and the adapter export."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -22,31 +23,62 @@ from orthros_jax.model import init_orthros_params
 from orthros_jax.training import checkpoint as ckpt_lib
 
 
-def load_teacher(teacher_cfg: Mapping[str, Any]
+@dataclasses.dataclass(frozen=True)
+class TeacherSpec:
+  """Which dense model a conversion starts from (config.teacher): exactly
+  one of checkpoint (a train.py workdir or checkpoints dir) and hf_dir (a
+  local Hugging Face Llama/Mistral/Qwen2 directory); step (a checkpoint's
+  step, None = the latest); train_tokens (its pretraining tokens for the
+  report, None = read from the workdir when it can be)."""
+  checkpoint: str = ''
+  hf_dir: str = ''
+  step: int | None = None
+  train_tokens: int | None = None
+
+  def __post_init__(self):
+    if bool(self.checkpoint) == bool(self.hf_dir):
+      raise ValueError(
+          'set exactly one of teacher.checkpoint (a train.py workdir) and '
+          'teacher.hf_dir (a Hugging Face directory); got checkpoint='
+          f'{self.checkpoint!r}, hf_dir={self.hf_dir!r}')
+
+  @classmethod
+  def from_config(cls, cfg: TeacherSpec | Mapping[str, Any]) -> TeacherSpec:
+    """From a config dict; step < 0 and train_tokens <= 0 mean unknown."""
+    if isinstance(cfg, TeacherSpec):
+      return cfg
+    cfg = dict(_plain(cfg))
+    unknown = sorted(set(cfg) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise ValueError(f'teacher has unknown keys {unknown}; valid keys: '
+                       'checkpoint, hf_dir, step, train_tokens')
+    step = cfg.get('step')
+    tokens = cfg.get('train_tokens')
+    return cls(checkpoint=str(cfg.get('checkpoint') or ''),
+               hf_dir=str(cfg.get('hf_dir') or ''),
+               step=None if step is None or int(step) < 0 else int(step),
+               train_tokens=int(tokens) if tokens else None)
+
+
+def load_teacher(spec: TeacherSpec | Mapping[str, Any]
                  ) -> tuple[ModelConfig, dict, dict]:
-  """(dense config, params, info) of the teacher named by `teacher_cfg`:
-  exactly one of checkpoint (a train.py workdir or checkpoints dir) and
-  hf_dir (a local Hugging Face Llama/Mistral/Qwen2 directory)."""
-  ckpt = teacher_cfg.get('checkpoint') or ''
-  hf_dir = teacher_cfg.get('hf_dir') or ''
-  if bool(ckpt) == bool(hf_dir):
-    raise ValueError('set exactly one of teacher.checkpoint (a train.py '
-                     'workdir) and teacher.hf_dir (a Hugging Face directory); '
-                     f'got checkpoint={ckpt!r}, hf_dir={hf_dir!r}')
-  if hf_dir:
-    config, params = load_hf(hf_dir)
-    return config, params, {'source': 'hf', 'path': os.path.abspath(hf_dir),
-                            'train_tokens': teacher_cfg.get('train_tokens')}
-  step = teacher_cfg.get('step')
-  step = None if step is None or step < 0 else step
-  params, config_dict, step = ckpt_lib.load_params(ckpt, step)
+  """(dense config, params, info) of the teacher `spec` names (a
+  TeacherSpec, or a config dict it is parsed from)."""
+  spec = TeacherSpec.from_config(spec)
+  if spec.hf_dir:
+    config, params = load_hf(spec.hf_dir)
+    return config, params, {'source': 'hf',
+                            'path': os.path.abspath(spec.hf_dir),
+                            'train_tokens': spec.train_tokens}
+  ckpt = spec.checkpoint
+  params, config_dict, step = ckpt_lib.load_params(ckpt, spec.step)
   config = model_config_from(config_dict)
   if config.is_orthros:
     raise ValueError(
         f'the teacher checkpoint {ckpt} is already an Orthros model '
         f'(attention.kind={config.attention.kind!r}); convert a dense model')
   ckpt_lib.check_params(config, params, f'teacher checkpoint {ckpt}')
-  tokens = teacher_cfg.get('train_tokens') or _train_tokens(ckpt, step)
+  tokens = spec.train_tokens or _train_tokens(ckpt, step)
   return config, params, {'source': 'checkpoint',
                           'path': os.path.abspath(ckpt), 'step': step,
                           'train_tokens': tokens}
