@@ -63,7 +63,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                  split_mode='prompt', log_every=1 if smoke else 50,
                  eval_every=0 if smoke else 500,
                  checkpoint_every=2 if smoke else 500, progress=not smoke)
-  # Device mesh (orthros_jax/sharding.py): all 1 = one device. Scale out
+  # Device mesh (orthros_jax/sharding/): all 1 = one device. Scale out
   # from the command line, e.g. --config.mesh.shape.data=-1 (every device,
   # data parallel) or --config.mesh.shape.fsdp=4 --config.mesh.shape.tensor=2.
   c.mesh = dict(shape=dict(data=1, fsdp=1, tensor=1, sequence=1), rules=())

@@ -16,7 +16,7 @@ Parameters and activations carry logical axis names (batch, length, embed,
 heads, kv_heads, head_dim, mlp, vocab, features) for sharding rules. The
 `backend` field (attention/backend.py) says which functions compute the
 attention and where: built by `Partitioner.attention_backend`
-(orthros_jax/sharding.py) for a mesh, the Pallas kernels run in `shard_map`
+(orthros_jax/sharding/) for a mesh, the Pallas kernels run in `shard_map`
 over batch and heads, and with a 'sequence' mesh axis larger than 1 prefill
 and decode use the context-parallel attention (attention/context_parallel.py)
 over a position-sharded KV cache. Without one the model runs on one device.

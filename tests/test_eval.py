@@ -1,6 +1,7 @@
 """eval.py: the prefill-only floor's generation, retrieval runs, speed rows,
 and the suite end to end on small random checkpoints."""
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -21,6 +22,7 @@ from orthros_jax.data import get_tokenizer
 from orthros_jax.evaluation import cells
 from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import loading
+from orthros_jax.evaluation import plan as plan_lib
 from orthros_jax.evaluation import retrieval
 from orthros_jax.evaluation import routes
 from orthros_jax.evaluation import speed
@@ -246,6 +248,59 @@ def test_eval_tiny_variants():
   assert not speed.tasks and not speed.quality and speed.speed
   with pytest.raises(ValueError, match='expected one of'):
     eval_tiny.get_config('retreival')
+
+
+def test_eval_config_parsed_once_into_a_plan():
+  """eval.py's config becomes a frozen SuitePlan before anything loads:
+  every shipped config parses, unknown keys and bad values raise, and the
+  plan carries what the sections read."""
+  from configs import eval_smollm2
+  shipped = [eval_tiny.get_config(arg)
+             for arg in ('', 'smoke', 'speed', 'retrieval')]
+  shipped += [eval_smollm2.get_config(arg)
+              for arg in ('', 'main', 'baselines', 'quality', 'speed', 'quick',
+                          'lm_eval')]
+  for c in shipped:
+    c.checkpoint = c.checkpoint or '/nonexistent'
+    assert plan_lib.check_config(c).models == tuple(c.models)
+  c = eval_tiny.get_config()
+  c.checkpoint = '/nonexistent'
+  plan = plan_lib.check_config(c)
+  assert plan_lib.check_config(plan) is plan
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.sinks = 1
+  spec = {s.task: s for s in plan.tasks}['passkey']
+  assert spec.lengths == tuple(c.tasks.passkey.lengths)
+  assert len(list(spec.cells())) == len(spec.lengths) * len(spec.depths)
+  assert plan.quality['num_epochs'] == 1
+  assert plan.speed.lengths == tuple(c.speed.lengths)
+  # sinks 0 was silently read as 4 before the plan.
+  for key, value, match in (
+      ('sinks', 0, 'sinks=0'), ('models', ('orthros', 'sparse'), 'sparse'),
+      ('checkpoint', '', 'set checkpoint')):
+    bad = eval_tiny.get_config()
+    bad.checkpoint = '/nonexistent'
+    bad.unlock()[key] = value
+    with pytest.raises(ValueError, match=match):
+      plan_lib.check_config(bad)
+  bad = eval_tiny.get_config().to_dict()
+  bad['checkpoint'] = '/nonexistent'
+  bad['sink'] = 4
+  with pytest.raises(ValueError, match=r"unknown keys \['sink'\]"):
+    plan_lib.check_config(bad)
+  for section, value, match in (
+      ('speed', dict(lengths=(64,), rep=3), r"speed has unknown keys \['rep'"),
+      ('speed', dict(lengths=(0,)), 'speed.lengths=0'),
+      ('tasks', dict(passkey=dict(depths=(0.5,))), 'needs lengths'),
+      ('tasks', dict(passkey=dict(lengths=(64, 96), num_examples=(2,))),
+       'one per length'),
+      ('tasks', dict(niah=dict(lengths=(64,), depths=(1.5,))), r'\[0, 1\]'),
+      ('lm_eval', dict(tasks=('piqa',), batchsize=2), 'batchsize')):
+    bad = eval_tiny.get_config().to_dict()
+    bad['checkpoint'] = '/nonexistent'
+    bad[section] = value
+    with pytest.raises(ValueError, match=match):
+      plan_lib.check_config(bad)
 
 
 def test_suite_errors(checkpoints, tmp_path):

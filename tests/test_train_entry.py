@@ -81,6 +81,26 @@ def test_bad_config_keys_are_named(tmp_path):
   config.model.vocab_size = 100
   with pytest.raises(ValueError, match='vocab_size'):
     train_and_evaluate(config, tmp_path)
+  # The config is parsed once into a frozen plan; every shipped config
+  # parses, and an unknown or bad top-level value is refused before
+  # anything trains (both were ignored before the plan).
+  from configs import llama_1b
+  for c in (tiny.get_config(), tiny.get_config('smoke,niah,varlen'),
+            llama_1b.get_config()):
+    plan = train_lm.check_config(c)
+    assert plan.seq_len == c.data.seq_len and plan.model.num_layers == (
+        c.model.num_layers)
+  assert train_lm.check_config(plan) is plan
+  for key, value, match in (('eval_batch', 2, r"unknown keys \['eval_batch'"),
+                            ('eval_batches', 0, 'eval_batches=0'),
+                            ('train', {'num_step': 2}, 'num_step')):
+    bad = tiny.get_config('smoke').to_dict()
+    bad[key] = value
+    with pytest.raises(ValueError, match=match):
+      train_lm.check_config(bad)
+    with pytest.raises(ValueError, match=match):
+      train_and_evaluate(bad, tmp_path / 'never')
+    assert not (tmp_path / 'never').exists()
 
 
 INFO_LINE = re.compile(r'^I\d{4} ', re.M)  # absl's INFO prefix: I<mmdd>

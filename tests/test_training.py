@@ -17,6 +17,7 @@ import pytest
 
 import orthros_jax as oj
 from orthros_jax import training as tr
+from orthros_jax import treepath
 from orthros_jax.training import metrics as metrics_lib
 from orthros_jax.training import state as state_lib
 
@@ -274,7 +275,7 @@ def test_prompt_split_trains_the_prefill_formula_on_text():
   grads = jax.jit(jax.grad(loss))(params)
   phi = [float(jnp.abs(g).max()) for path, g in
          jax.tree_util.tree_flatten_with_path(grads)[0]
-         if 'phi_q' in tr.optim.path_str(path)]
+         if 'phi_q' in treepath.path_str(path)]
   assert phi and max(phi) > 0, phi
   # Mixed rows: the prompt rows split at prompt - exact_tail exactly, the
   # others as 'random' with the same rng.
@@ -343,7 +344,7 @@ def test_frozen_params_get_zero_updates():
     assert bool(m['finite'])
   changed = set()
   for path, new in jax.tree_util.tree_flatten_with_path(state.params)[0]:
-    name = tr.optim.path_str(path)
+    name = treepath.path_str(path)
     if any(s in name for s in ('phi_q', 'phi_k', 'window_logit')):
       if not np.array_equal(new, flat0[path]):
         changed.add(name.split('/')[2])
@@ -399,7 +400,7 @@ def test_only_trainable_params_are_differentiated():
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(states[0])[0],
                           jax.tree.leaves(states[1])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7,
-                               err_msg=tr.optim.path_str(path))
+                               err_msg=treepath.path_str(path))
 
 
 def test_grad_accumulation_equals_large_batch():

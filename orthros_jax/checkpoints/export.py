@@ -45,6 +45,7 @@ from orthros_jax.config import model_config_from
 from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.evaluation.loading import load_dense
 from orthros_jax.model import Transformer
+from orthros_jax.treepath import path_str
 
 WEIGHTS = 'model.safetensors'
 CONFIG = 'orthros_model.json'
@@ -57,12 +58,8 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json',
 _NATIVE = ('float32', 'float16', 'float64', 'int32', 'int64')
 
 
-def _key(path) -> str:
-  return '.'.join(str(p.key) for p in path)
-
-
 def _flatten(params) -> dict[str, Any]:
-  return {_key(path): leaf for path, leaf
+  return {path_str(path, '.'): leaf for path, leaf
           in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
@@ -125,7 +122,7 @@ def load_model(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
   dtypes = meta.get('dtypes', {})
 
   def leaf(path_, spec):
-    key = _key(path_)
+    key = path_str(path_, '.')
     return jnp.asarray(tensors[key], dtypes.get(key, spec.dtype))
 
   return config, jax.tree_util.tree_map_with_path(leaf, abstract)

@@ -12,7 +12,7 @@ the plan. The config's fields are documented in configs/convert_tiny.py:
              stage2's lora_rank (0 = full finetune), lora_alpha,
              lora_targets, kl_weight, hidden_weight, from_adapter
   eval:      EvalPlan (the held-out check after the conversion)
-  mesh:      optional device mesh (orthros_jax/sharding.py)
+  mesh:      optional device mesh (orthros_jax/sharding/)
   seed, progress
 """
 

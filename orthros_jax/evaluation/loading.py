@@ -12,6 +12,7 @@ from orthros_jax.config import ModelConfig
 from orthros_jax.config import model_config_from
 from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.evaluation import inference
+from orthros_jax.evaluation import plan as plan_lib
 from orthros_jax.evaluation import variants
 from orthros_jax.training import checkpoint as ckpt_lib
 
@@ -47,56 +48,49 @@ def load_dense(path: str) -> tuple[ModelConfig, dict, str]:
 
 
 def load_models(config) -> tuple[dict, dict]:
-  """({name: (config, params, path)}, descriptions) of config.models, in
-  the order of variants.ROWS (evaluation/variants.py says what each is)."""
-  if not config.get('checkpoint'):
-    raise ValueError('set checkpoint: an Orthros checkpoint (a convert.py '
-                     'workdir or its orthros/ directory, or an adapter '
-                     'directory applied to teacher=)')
+  """({name: (config, params, path)}, descriptions) of the plan's models
+  (an eval config is parsed first: evaluation/plan.py), in the order of
+  variants.ROWS (evaluation/variants.py says what each is)."""
+  plan = plan_lib.check_config(config)
   teacher_model = None
-  if adapter_lib.is_adapter(config.checkpoint):
-    if not config.get('teacher'):
-      raise ValueError(f'checkpoint {config.checkpoint} is an adapter: set '
+  if adapter_lib.is_adapter(plan.checkpoint):
+    if not plan.teacher:
+      raise ValueError(f'checkpoint {plan.checkpoint} is an adapter: set '
                        'teacher= to the dense model it applies to')
-    teacher_model = load_dense(config.teacher)
+    teacher_model = load_dense(plan.teacher)
     student, params = adapter_lib.apply_adapter(
-        config.checkpoint, teacher_model[0], teacher_model[1])
-    where = f'{config.checkpoint} (adapter on {config.teacher})'
+        plan.checkpoint, teacher_model[0], teacher_model[1])
+    where = f'{plan.checkpoint} (adapter on {plan.teacher})'
   else:
-    student, params, step = load_checkpoint(config.checkpoint)
-    where = f'{config.checkpoint} (step {step})'
+    student, params, step = load_checkpoint(plan.checkpoint)
+    where = f'{plan.checkpoint} (step {step})'
   if not student.is_orthros:
-    raise ValueError(f'checkpoint {config.checkpoint} is a dense model; '
+    raise ValueError(f'checkpoint {plan.checkpoint} is a dense model; '
                      'eval.py needs an Orthros checkpoint (convert.py makes '
                      'one) to report its baselines')
-  tail = config.get('exact_tail')
-  if tail is not None and int(tail) >= 0:
+  if plan.exact_tail is not None:
     # An inference setting (how many prompt tokens decode exactly), the same
-    # for every row on the converted weights; -1 / None: as converted.
-    student = student.replace(attention={'exact_tail': int(tail)})
-  names = tuple(config.get('models') or ('teacher', 'orthros', 'linear'))
-  unknown = sorted(set(names) - set(variants.ROWS))
-  if unknown:
-    raise ValueError(f'models {unknown} are unknown: expected a subset of '
-                     f'{variants.ROWS}')
+    # for every row on the converted weights; None: as converted.
+    student = student.replace(attention={'exact_tail': plan.exact_tail})
+  names = plan.models
   models, desc = {}, {}
   if 'teacher' in names:
-    if not config.get('teacher'):
+    if not plan.teacher:
       raise ValueError("the 'teacher' row needs teacher= (the dense model "
                        'as loaded: a Hugging Face directory or a train.py '
                        "checkpoint); the 'dense' row is the converted "
                        'weights with dense attention')
-    teacher, t_params, t_where = teacher_model or load_dense(config.teacher)
+    teacher, t_params, t_where = teacher_model or load_dense(plan.teacher)
     models['teacher'] = (teacher, t_params, 'inference')
     desc['teacher'] = f'{t_where}: the teacher as loaded, dense attention'
   rows, rows_desc = variants.converted_rows(
       student, params, [n for n in names if n not in ('teacher',
                                                        'linear_trained')],
-      sinks=int(config.get('sinks') or 4), where=where)
+      sinks=plan.sinks, where=where)
   models.update(rows)
   desc.update(rows_desc)
   if 'linear_trained' in names:
-    path = config.get('linear_checkpoint')
+    path = plan.linear_checkpoint
     if not path:
       raise ValueError("the 'linear_trained' row needs linear_checkpoint= (a "
                        'convert.py workdir of the pure-linear recipe)')

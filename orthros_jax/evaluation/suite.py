@@ -1,6 +1,7 @@
 """`run(config, out_dir)`: the evaluation suite eval.py runs.
 
-Every number is reported for each row of `config.models` (default teacher,
+The config is parsed once into a `SuitePlan` (evaluation/plan.py). Every
+number is reported for each row of `plan.models` (default teacher,
 orthros, linear), each stating its weights and attention (the rows are
 defined in evaluation/variants.py: the teacher as loaded; the converted
 weights with dense attention, window only, window plus sinks, Orthros with
@@ -35,25 +36,29 @@ import math
 import os
 import platform
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import tqdm
 
-from orthros_jax.config import plain as _plain
+from orthros_jax.config import plain
 from orthros_jax.data import get_tokenizer
 from orthros_jax.data import make_dataset
 from orthros_jax.evaluation import cells
 from orthros_jax.evaluation import inference
+from orthros_jax.evaluation import plan as plan_lib
 from orthros_jax.evaluation import report
 from orthros_jax.evaluation import retrieval
 from orthros_jax.evaluation import speed as speed_lib
 from orthros_jax.evaluation.loading import load_models
 
 
-def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
-              progress: bool, out_dir: str | None = None) -> list[dict]:
-  """Retrieval rows of every (task, length, depth) cell and model.
+def run_tasks(models, tasks: Sequence[plan_lib.TaskSpec] | Mapping[str, Any],
+              tokenizer, seed: int, progress: bool,
+              out_dir: str | None = None) -> list[dict]:
+  """Retrieval rows of every (task, length, depth) cell and model; `tasks`
+  are TaskSpecs (or the config's tasks section, parsed here).
 
   With out_dir, every finished cell is appended to out_dir/cells.CELLS_FILE,
   keyed by the cell (task, length, depth, seed, options, budget) and the
@@ -65,32 +70,20 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
   run of the baselines reuses the teacher's 100-example cells.
   """
   rows = []
-  jobs = []
-  for task, spec in tasks_cfg.items():
-    spec = dict(spec)
-    lengths = list(spec.pop('lengths'))
-    depths = list(spec.pop('depths', [None]))
-    # num_examples: one count, or one per length (per depth within it).
-    num = spec.pop('num_examples', 20)
-    nums = ([int(n) for n in num] if isinstance(num, (list, tuple))
-            else [int(num)] * len(lengths))
-    if len(nums) != len(lengths):
-      raise ValueError(f'tasks.{task}.num_examples={num!r}: give one count '
-                       f'or one per length ({len(lengths)})')
-    for length, n in zip(lengths, nums):
-      for depth in depths:
-        jobs.append((task, length, depth, n, spec))
+  jobs = [(spec, length, depth, n)
+          for spec in plan_lib.task_specs(tasks)
+          for length, depth, n in spec.cells()]
   cells_path = os.path.join(out_dir, cells.CELLS_FILE) if out_dir else None
   stored = cells.read_cells(cells_path) if cells_path else {}
   leaf_cache: dict = {}
   prints = ({name: cells.model_fingerprint(c, p, leaf_cache)
              for name, (c, p, _) in models.items()} if cells_path else {})
-  total = sum(j[3] for j in jobs) * len(models)
+  total = sum(n for *_, n in jobs) * len(models)
   with tqdm.tqdm(total=total, desc='retrieval', disable=not progress,
                  dynamic_ncols=True) as bar:
-    for task, length, depth, num, spec in jobs:
-      options = dict(spec)
-      budget = options.pop('max_new_tokens', None)
+    for spec, length, depth, num in jobs:
+      task, budget = spec.task, spec.max_new_tokens
+      options = dict(spec.options)
       if depth is not None:
         options['depth'] = depth
       bar.set_postfix_str(f'{task} L={length}'
@@ -127,8 +120,9 @@ def run_tasks(models, tasks_cfg: Mapping[str, Any], tokenizer, seed: int,
 
 def run_quality(models, quality_cfg: Mapping[str, Any], tokenizer,
                 progress: bool) -> dict:
-  """{model: {'inference': scores, 'teacher_forced': scores}}."""
-  kwargs = dict(_plain(quality_cfg))
+  """{model: {'inference': scores, 'teacher_forced': scores}} on the
+  batches of make_dataset(**quality_cfg) (one epoch unless it says)."""
+  kwargs = dict(plain(quality_cfg))
   kwargs.setdefault('num_epochs', 1)
   batches = list(make_dataset(tokenizer=tokenizer, **kwargs))
   out = {}
@@ -147,79 +141,55 @@ def run_quality(models, quality_cfg: Mapping[str, Any], tokenizer,
   return out
 
 
-def run_speed(models, speed_cfg: Mapping[str, Any], progress: bool) -> dict:
-  cfg = dict(_plain(speed_cfg))
+def run_speed(models, spec: plan_lib.SpeedSpec | Mapping[str, Any],
+              progress: bool) -> dict:
+  if not isinstance(spec, plan_lib.SpeedSpec):
+    spec = plan_lib.SpeedSpec.from_config(spec)
   if 'orthros' not in models:
     raise ValueError('the speed section needs the orthros model')
   config, params, _ = models['orthros']
-  with tqdm.tqdm(total=3 * len(cfg['lengths']), desc='speed',
+  with tqdm.tqdm(total=3 * len(spec.lengths), desc='speed',
                  disable=not progress, dynamic_ncols=True) as bar:
     def tick(what):
       bar.set_postfix_str(what)
       bar.update(1)
     rows = speed_lib.measure(
-        config, params, [int(n) for n in cfg['lengths']],
-        batch=int(cfg.get('batch', 1)),
-        decode_batch=int(cfg.get('decode_batch', 1)),
-        reps=int(cfg.get('reps', 3)), progress=tick)
+        config, params, list(spec.lengths), batch=spec.batch,
+        decode_batch=spec.decode_batch, reps=spec.reps, progress=tick)
   return {'rows': rows, 'ratios': speed_lib.ratios(rows)}
 
 
-LM_EVAL_KEYS = ('tasks', 'include_path', 'num_fewshot', 'limit', 'max_length',
-                'batch_size', 'max_gen_toks', 'seed')
-
-
-def check_lm_eval_config(cfg: Mapping[str, Any]) -> dict:
-  """The lm_eval section as a plain dict; unknown keys are an error
-  (checked before any section runs)."""
-  cfg = _plain(cfg)
-  unknown = sorted(set(cfg) - set(LM_EVAL_KEYS))
-  if unknown:
-    raise ValueError(f'lm_eval: unknown keys {unknown}')
-  return cfg
-
-
-def run_lm_eval(models, cfg: Mapping[str, Any], tokenizer) -> dict:
+def run_lm_eval(models, spec: plan_lib.LmEvalSpec | Mapping[str, Any],
+                tokenizer) -> dict:
   """{'results': {row: {task: {metric: value}}}, 'table': markdown} of
-  lm-eval tasks on every row (cfg: tasks,
-  include_path, num_fewshot (< 0: each task's default), limit (0: all),
-  max_length, batch_size, max_gen_toks, seed)."""
+  lm-eval tasks on every row (plan.LmEvalSpec says what each field is)."""
   # lm-eval is an optional dependency: imported only when the section runs.
   from orthros_jax.evaluation import lm_harness  # pylint: disable=g-import-not-at-top
-  cfg = check_lm_eval_config(cfg)
-  shots = cfg.get('num_fewshot', -1)
-  if isinstance(shots, Mapping):
-    shots = {t: int(n) for t, n in shots.items() if int(n) >= 0}
-  else:
-    shots = None if shots is None or int(shots) < 0 else int(shots)
+  if not isinstance(spec, plan_lib.LmEvalSpec):
+    spec = plan_lib.LmEvalSpec.from_config(spec)
   res = lm_harness.run_tasks(
-      models, tuple(cfg['tasks']), tokenizer,
-      include_path=cfg.get('include_path') or '',
-      num_fewshot=shots,
-      limit=int(cfg.get('limit') or 0) or None,
-      max_length=int(cfg.get('max_length', 2048)),
-      batch_size=int(cfg.get('batch_size', 1)),
-      max_gen_toks=int(cfg.get('max_gen_toks', 256)),
-      seed=int(cfg.get('seed', 1234)))
+      models, spec.tasks, tokenizer, include_path=spec.include_path,
+      num_fewshot=spec.fewshot(), limit=spec.limit or None,
+      max_length=spec.max_length, batch_size=spec.batch_size,
+      max_gen_toks=spec.max_gen_toks, seed=spec.seed)
   return {'results': res, 'table': lm_harness.table(res)}
 
 
 def run(config, out_dir: str | os.PathLike) -> dict:
-  """Runs the sections of `config` and writes the results to out_dir."""
+  """Runs the sections of `config` (an eval config or its SuitePlan) and
+  writes the results to out_dir."""
+  plan = plan_lib.check_config(config)  # every key checked before loading
   out_dir = os.path.abspath(os.fspath(out_dir))
   os.makedirs(out_dir, exist_ok=True)
-  progress = bool(config.get('progress', True))
-  if config.get('lm_eval'):
-    check_lm_eval_config(config.lm_eval)  # before any expensive section
-  models, descriptions = load_models(config)
+  models, descriptions = load_models(plan)
   names = list(models)
-  tokenizer = get_tokenizer(config.get('tokenizer', 'byte'))
+  tokenizer = get_tokenizer(plan.tokenizer)
   vocab = min(c.vocab_size for c, _, _ in models.values())
   if tokenizer.vocab_size > vocab:
     raise ValueError(f'the tokenizer has {tokenizer.vocab_size} ids but the '
                      f'model only {vocab}: set tokenizer to the model\'s')
   results: dict[str, Any] = {
-      'name': config.get('name', os.path.basename(out_dir)),
+      'name': plan.name or os.path.basename(out_dir),
       'date': datetime.datetime.now(datetime.timezone.utc).isoformat(),
       'machine': {'backend': jax.default_backend(),
                   'devices': [str(d) for d in jax.devices()],
@@ -231,19 +201,19 @@ def run(config, out_dir: str | os.PathLike) -> dict:
                                          else models['orthros'][0]),
   }
   rows: list[dict] = []
-  if config.get('tasks'):
-    rows = run_tasks(models, _plain(config.tasks), tokenizer,
-                     int(config.get('seed', 0)), progress, out_dir=out_dir)
+  if plan.tasks:
+    rows = run_tasks(models, plan.tasks, tokenizer, plan.seed, plan.progress,
+                     out_dir=out_dir)
     results['retrieval'] = rows
   quality = None
-  if config.get('quality'):
-    quality = run_quality(models, config.quality, tokenizer, progress)
+  if plan.quality:
+    quality = run_quality(models, plan.quality, tokenizer, plan.progress)
     results['quality'] = quality
-  if config.get('speed'):
-    results['speed'] = run_speed(models, config.speed, progress)
+  if plan.speed:
+    results['speed'] = run_speed(models, plan.speed, plan.progress)
   harness = None
-  if config.get('lm_eval') and config.lm_eval.get('tasks'):
-    harness = run_lm_eval(models, config.lm_eval, tokenizer)
+  if plan.lm_eval and plan.lm_eval.tasks:
+    harness = run_lm_eval(models, plan.lm_eval, tokenizer)
     results['lm_eval'] = harness
   with open(os.path.join(out_dir, 'results.json'), 'w') as f:
     json.dump(results, f, indent=1, default=str)

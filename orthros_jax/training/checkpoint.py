@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 
 from orthros_jax.config import ModelConfig
 from orthros_jax.model import Transformer
-from orthros_jax.training.optim import path_str
+from orthros_jax.treepath import path_str
 from orthros_jax.training.state import TrainState
 
 

@@ -98,10 +98,16 @@ class TrainConfig:
     return max(self.num_steps // self.grad_accum_steps, 1)
 
   @classmethod
-  def from_mapping(cls, values: Mapping[str, Any]) -> 'TrainConfig':
-    """From a dict / ConfigDict; keys that are not fields are ignored (a
-    run's config also holds model and data settings)."""
+  def from_mapping(cls, values: Mapping[str, Any], *, strict: bool = False
+                   ) -> 'TrainConfig':
+    """From a dict / ConfigDict. Keys that are not fields are ignored (a
+    run's config may also hold model and data settings), or with `strict`
+    an error naming them (a config's own train section)."""
     names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if strict and unknown:
+      raise ValueError(f'train has unknown keys {unknown}; valid keys: '
+                       f'{sorted(names)}')
     return cls(**{k: v for k, v in dict(values).items() if k in names})
 
   def optimizer(self) -> optax.GradientTransformation:

@@ -21,6 +21,8 @@ from typing import Any, Union
 import jax
 import optax
 
+from orthros_jax.treepath import path_str
+
 # What `trainable_mask` may be: None (train everything); a pytree of bools
 # shaped like the params; a predicate on the '/'-joined param path; or a
 # sequence of substrings, a param trains when its path contains any of them
@@ -31,19 +33,6 @@ TrainableMask = Union[None, Any, Callable[[str], bool], Sequence[str]]
 def _check(ok: bool, field: str, value, expected: str) -> None:
   if not ok:
     raise ValueError(f'{field}={value!r} is invalid: expected {expected}.')
-
-
-def path_str(path) -> str:
-  """'layers_0/attn/phi_q/kernel' for a jax key path."""
-  parts = []
-  for k in path:
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return '/'.join(parts)
 
 
 def trainable_labels(params, trainable_mask: TrainableMask):

@@ -24,7 +24,7 @@ convert.py refuses such a config).
 a ValueError that says so.
 Dense models ignore `split_mode`.
 
-With a `Partitioner` (orthros_jax/sharding.py) the steps take process-local
+With a `Partitioner` (orthros_jax/sharding/) the steps take process-local
 numpy batches, split them over the mesh's batch axes
 (`make_array_from_process_local_data`, so each host feeds its own rows), and
 run jitted with the state's own shardings in and out inside

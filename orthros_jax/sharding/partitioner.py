@@ -1,42 +1,11 @@
-"""Device meshes and logical-axis rules: how the model is laid out on chips.
-
-One `Partitioner` holds a mesh with the axes
-
-  data      pure data parallelism (params replicated);
-  fsdp      data parallelism with params, gradients and optimizer state
-            sharded (ZeRO-3 / FSDP: XLA all-gathers a layer's weights when
-            it needs them);
-  tensor    Megatron-style tensor parallelism over heads and the MLP width;
-  sequence  context parallelism: a long prompt's tokens and the KV cache
-            split by position (see orthros_jax/attention/context_parallel.py);
-
-and the rules mapping the model's logical axis names (model.py: batch,
-length, embed, heads, kv_heads, head_dim, mlp, vocab, features; cache_length
-for the KV cache) to mesh axes. Everything goes through JAX's own SPMD
-runtime: `jax.jit` with NamedShardings, `with_sharding_constraint` inside
-the model (flax's logical constraints) and `shard_map` for the kernels and
-the context-parallel attention.
-
-  partitioner = Partitioner.create({'data': 2, 'fsdp': 4})
-  params = partitioner.init_params(model_config, rng, seq_len=512)
-  model = partitioner.model(model_config)  # attention backend of this mesh
-  with partitioner.activate():
-    ...  # jitted model calls see the mesh and the rules
-
-A dimension whose size the mesh axes do not divide is left unsharded (with a
-one-time log line), so the byte-level tiny model (vocab 259) still runs on
-any mesh.
-"""
+"""The Partitioner: a mesh plus logical-axis rules, and the shardings
+of params, train states, batches and KV caches it derives from them."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import logging
 import math
-import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +13,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -52,101 +20,25 @@ from jax.sharding import PartitionSpec as P
 from orthros_jax.attention.backend import AttentionBackend
 from orthros_jax.attention.placement import Placement
 from orthros_jax.attention.placement import axis_size
-from orthros_jax.attention.placement import check_divisible  # noqa: F401
 from orthros_jax.model import Transformer
 from orthros_jax.model import transformer
-
-MESH_AXES = ('data', 'fsdp', 'tensor', 'sequence')
-
-# Logical axis -> mesh axes, in priority order: a mesh axis already used by
-# an earlier dimension of the same array is skipped (so activations
-# [batch, length, embed] shard batch over data+fsdp and leave embed whole,
-# while weights [embed, heads, head_dim] shard embed over fsdp).
-DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ('batch', ('data', 'fsdp')),
-    ('length', 'sequence'),
-    ('cache_length', 'sequence'),
-    ('heads', 'tensor'),
-    ('kv_heads', 'tensor'),
-    ('mlp', 'tensor'),
-    ('vocab', 'tensor'),
-    ('embed', 'fsdp'),
-    ('features', 'fsdp'),
-    ('head_dim', None),
-)
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-  logging.info(message)
-
-
-def make_mesh(shape: Mapping[str, int] | Sequence[int] | None = None, *,
-              axes: Sequence[str] = MESH_AXES,
-              devices: Sequence[Any] | None = None) -> Mesh:
-  """A mesh over `devices` (default all) with `axes`.
-
-  shape: axis -> size (missing axes get 1; one axis may be -1, filled with
-  the devices left), or a sequence of sizes in `axes` order. The product
-  must equal the number of devices. Default: everything on 'data'.
-  """
-  devices = list(jax.devices() if devices is None else devices)
-  axes = tuple(axes)
-  if len(set(axes)) != len(axes):
-    raise ValueError(f'mesh axes {axes} repeat a name')
-  if shape is None:
-    shape = {axes[0]: -1}
-  if not isinstance(shape, Mapping):
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != len(axes):
-      raise ValueError(f'mesh shape {shape} must have one size per axis '
-                       f'{axes}')
-    shape = dict(zip(axes, shape))
-  unknown = sorted(set(shape) - set(axes))
-  if unknown:
-    raise ValueError(f'mesh shape names unknown axes {unknown}; the axes are '
-                     f'{axes}')
-  sizes = [int(shape.get(a, 1)) for a in axes]
-  if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(f'mesh shape {dict(zip(axes, sizes))}: sizes must be >= '
-                     '1, with at most one -1 (use the remaining devices)')
-  known = math.prod(s for s in sizes if s != -1)
-  if -1 in sizes:
-    if len(devices) % known:
-      raise ValueError(f'{len(devices)} devices cannot fill mesh '
-                       f'{dict(zip(axes, sizes))}: {known} does not divide '
-                       'them')
-    sizes[sizes.index(-1)] = len(devices) // known
-  if math.prod(sizes) != len(devices):
-    raise ValueError(
-        f'mesh {dict(zip(axes, sizes))} needs {math.prod(sizes)} devices but '
-        f'{len(devices)} are available; make the sizes multiply to '
-        f'{len(devices)} (one size may be -1)')
-  return jax.make_mesh(tuple(sizes), axes, axis_types=(AxisType.Auto,) *
-                       len(axes), devices=devices)
-
-
-def _normalize_rules(rules) -> tuple[tuple[str, Any], ...]:
-  out = []
-  for rule in rules:
-    if len(rule) != 2:
-      raise ValueError(f'sharding rule {rule!r} must be (logical name, mesh '
-                       'axes)')
-    name, target = rule
-    if isinstance(target, list):
-      target = tuple(target)
-    out.append((str(name), target))
-  return tuple(out)
+from orthros_jax.sharding.mesh import make_mesh
+from orthros_jax.sharding.rules import DEFAULT_RULES
+from orthros_jax.sharding.rules import log_once
+from orthros_jax.sharding.rules import normalize_rules
+from orthros_jax.treepath import key_str
+from orthros_jax.treepath import path_str
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Partitioner:
-  """A mesh plus logical-axis rules; see the module docstring."""
+  """A mesh plus logical-axis rules; see `orthros_jax.sharding`."""
 
   mesh: Mesh
   rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
 
   def __post_init__(self):
-    object.__setattr__(self, 'rules', _normalize_rules(self.rules))
+    object.__setattr__(self, 'rules', normalize_rules(self.rules))
     for name, target in self.rules:
       for axis in (target if isinstance(target, tuple) else (target,)):
         if axis is not None and axis not in self.mesh.shape:
@@ -229,7 +121,7 @@ class Partitioner:
       for i, (ax, size) in enumerate(zip(axes, shape)):
         n = self.axis_size(ax)
         if n > 1 and size % n:
-          _log_once(f'{what}: dimension {i} ({logical[i]}, size {size}) is not '
+          log_once(f'{what}: dimension {i} ({logical[i]}, size {size}) is not '
                     f'divisible by mesh axes {ax} ({n} devices); left '
                     'unsharded')
           axes[i] = None
@@ -257,7 +149,7 @@ class Partitioner:
     leaves are replicated."""
     def one(path, x):
       if isinstance(x, nn.LogicallyPartitioned):
-        return self.sharding(x.names, x.value.shape, _path(path))
+        return self.sharding(x.names, x.value.shape, path_str(path))
       return self.replicated
     return jax.tree_util.tree_map_with_path(
         one, boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
@@ -270,15 +162,15 @@ class Partitioner:
     boxed = self.abstract_params(model_config)
     for path, x in jax.tree_util.tree_flatten_with_path(
         boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]:
-      table[_path(path)] = x
+      table[path_str(path)] = x
     if params is None:
       return self.param_shardings(boxed)
 
     def one(path, x):
-      entry = table.get(_path(path))
+      entry = table.get(path_str(path))
       if (isinstance(entry, nn.LogicallyPartitioned) and
           tuple(entry.value.shape) == tuple(np.shape(x))):
-        return self.sharding(entry.names, np.shape(x), _path(path))
+        return self.sharding(entry.names, np.shape(x), path_str(path))
       return self.replicated
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -307,10 +199,10 @@ class Partitioner:
     rest (step counts, scalars) is replicated."""
     table = {}
     for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]:
-      table[_path(path)] = s
+      table[path_str(path)] = s
 
     def one(path, x):
-      keys = [_key(k) for k in path]
+      keys = [key_str(k) for k in path]
       for i in range(len(keys)):
         s = table.get('/'.join(keys[i:]))
         if s is not None:
@@ -393,62 +285,3 @@ class Partitioner:
     backend (`model(config)`), not this context."""
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       yield self
-
-
-def _key(k) -> str:
-  for attr in ('key', 'name', 'idx'):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def _path(path) -> str:
-  return '/'.join(_key(k) for k in path)
-
-
-def bytes_per_device(tree) -> dict[str, float]:
-  """Total bytes of a tree of arrays and the largest amount any one device
-  holds (from the arrays' shardings), plus their ratio."""
-  total = 0
-  per_device: dict[Any, int] = {}
-  for x in jax.tree.leaves(tree):
-    total += x.size * x.dtype.itemsize
-    for shard in x.addressable_shards:
-      per_device[shard.device] = (per_device.get(shard.device, 0) +
-                                  shard.data.size * shard.data.dtype.itemsize)
-  most = max(per_device.values()) if per_device else 0
-  return {'total_bytes': float(total), 'max_device_bytes': float(most),
-          'fraction': most / total if total else 0.0}
-
-
-def initialize_distributed(mode: str = 'auto') -> bool:
-  """Calls `jax.distributed.initialize()` for a multi-process run.
-
-  mode 'on' always initializes (TPU slices, SLURM and Open MPI are detected
-  by JAX; elsewhere set JAX_COORDINATOR_ADDRESS=host:port plus
-  JAX_NUM_PROCESSES and JAX_PROCESS_ID, which this function passes on);
-  'off' never; 'auto' initializes on a multi-host TPU slice
-  (TPU_WORKER_HOSTNAMES lists more than one host) or when
-  JAX_COORDINATOR_ADDRESS is set. Returns whether it initialized. Call it
-  before anything touches the devices.
-  """
-  if mode not in ('auto', 'on', 'off'):
-    raise ValueError(f"distributed={mode!r} must be 'auto', 'on' or 'off'")
-  if mode == 'off':
-    return False
-  if mode == 'auto':
-    hosts = [h for h in re.split(r'[,\s]+',
-                                 os.environ.get('TPU_WORKER_HOSTNAMES', ''))
-             if h]
-    if len(hosts) <= 1 and not os.environ.get('JAX_COORDINATOR_ADDRESS'):
-      return False
-  kwargs = {}
-  for env, name in (('JAX_NUM_PROCESSES', 'num_processes'),
-                    ('JAX_PROCESS_ID', 'process_id')):
-    if os.environ.get(env):
-      kwargs[name] = int(os.environ[env])
-  jax.distributed.initialize(**kwargs)
-  logging.info('jax.distributed: process %d of %d, %d local / %d global '
-               'devices', jax.process_index(), jax.process_count(),
-               jax.local_device_count(), jax.device_count())
-  return True
