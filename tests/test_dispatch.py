@@ -154,7 +154,7 @@ def test_dense_prefill_of_a_fresh_prompt_on_gpu(monkeypatch):
 
   monkeypatch.setattr(dispatch, 'fresh_prompt_attention', counting)
   got = run('gpu')
-  assert traced == ['cudnn_or_xla'] * (2 * config.num_layers)
+  assert traced == ['_cudnn_or_xla'] * (2 * config.num_layers)
   real_rows = np.arange(13)[None, :] < np.asarray(lengths)[:, None]
   np.testing.assert_allclose(np.asarray(got[0])[real_rows],
                              np.asarray(want[0])[real_rows], rtol=1e-5,
@@ -169,6 +169,77 @@ def test_dense_prefill_of_a_fresh_prompt_on_gpu(monkeypatch):
     np.testing.assert_array_equal(layer.lengths, ref.lengths)
     np.testing.assert_allclose(layer.k, ref.k, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(layer.v, ref.v, rtol=1e-6, atol=1e-6)
+
+
+def _reference_attention(q, k, v):
+  """Causal GQA attention in float64 numpy (head h reads kv head h // G)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  t, h, d = q.shape[1], q.shape[2], q.shape[3]
+  group = h // k.shape[2]
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  s = np.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(d)
+  s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum('bhqk,bkhd->bqhd', p, v)
+
+
+def test_tpu_flash_attention_matches_the_float64_reference():
+  """JAX's Pallas TPU flash kernel as the dense path calls it (GQA by
+  repeated kv heads, heads-first layout), run in TPU interpret mode on
+  this CPU: equal to the float64 formula; a length that is not a multiple
+  of its block goes to XLA."""
+  from jax.experimental.pallas import tpu as pltpu
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(2, 256, 4, 16)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(2, 256, 2, 16)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(2, 256, 2, 16)), jnp.float32)
+  with pltpu.force_tpu_interpret_mode():
+    got = dispatch.tpu_flash_attention(q, k, v)
+  np.testing.assert_allclose(got, _reference_attention(q, k, v), rtol=1e-5,
+                             atol=1e-5)
+  short = (q[:, :200], k[:, :200], v[:, :200])
+  np.testing.assert_array_equal(dispatch._tpu_flash_or_xla(*short),
+                                softmax_attention(*short))
+
+
+def test_dense_prompt_on_tpu_runs_the_pallas_flash_kernel(monkeypatch):
+  """On one TPU device the dense forward and a dense prompt written into an
+  empty cache go through the Pallas flash kernel (backend faked, kernel
+  interpreted): logits equal the CPU path's, the kernel is in the traced
+  program, and on a mesh the XLA path stays (XLA cannot split a Pallas
+  call)."""
+  from jax.experimental.pallas import tpu as pltpu
+  config = make_config(kind='dense', head_dim=8)
+  params = init_params(config)
+  x = random_tokens(5, (2, 128))
+
+  def programs():
+    # New function objects per backend: the dispatch is decided while
+    # tracing, and jax caches traces by function.
+    def forward(params, tokens):
+      return Transformer(config).apply({'params': params}, tokens,
+                                       phase='forward')[0]
+
+    def prefill(params, tokens):
+      return Transformer(config).apply(
+          {'params': params}, tokens, phase='prefill',
+          cache=oj.init_cache(config, 2, 128), lengths=jnp.array([128, 128]),
+          all_logits=True)[0]
+    return forward, prefill
+
+  want = [jax.jit(fn)(params, x) for fn in programs()]
+  monkeypatch.setattr(dispatch, '_backend', lambda: 'tpu')
+  assert dispatch.exact_attention('auto') is dispatch._tpu_flash_or_xla
+  assert dispatch.exact_attention('auto', on_mesh=True) is softmax_attention
+  assert dispatch.exact_attention('xla') is softmax_attention
+  assert dispatch.fresh_prompt_attention('auto') is dispatch._tpu_flash_or_xla
+  for fn, ref in zip(programs(), want):
+    jaxpr = str(jax.make_jaxpr(fn)(params, x))
+    assert 'pallas_call' in jaxpr
+    with pltpu.force_tpu_interpret_mode():
+      got = jax.jit(fn)(params, x)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize('kind', ['dense', 'orthros'])

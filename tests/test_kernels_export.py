@@ -71,6 +71,28 @@ def test_lowers_for_tpu_and_cuda(kernel, dtype, target):
 
 
 
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16],
+                         ids=['f32', 'bf16'])
+def test_dense_flash_attention_lowers_for_tpu(dtype, monkeypatch):
+  """The dense exact path on TPU (`dispatch.exact_attention` with the TPU
+  backend: JAX's Pallas flash kernel, SmolLM2's heads 9 / 3 of 64) lowers
+  for TPU forward and backward, as the training forward differentiates
+  it."""
+  from orthros_jax.attention import dispatch
+  monkeypatch.setattr(dispatch, '_backend', lambda: 'tpu')
+  fn = dispatch.exact_attention('auto')
+  q = SDS((1, 512, 9, 64), dtype)
+  kv = SDS((1, 512, 3, 64), dtype)
+
+  def loss(q, k, v):
+    return fn(q, k, v, causal=True).astype(jnp.float32).sum()
+
+  for program in (fn, jax.grad(loss, argnums=(0, 1, 2))):
+    exported = jax.export.export(jax.jit(program), platforms=['tpu'])(q, kv,
+                                                                      kv)
+    assert TPU_CALL in exported.mlir_module()
+
+
 # Shapes found in review: wide windows on the GPU schedule (look-back
 # rounded to 2^k - 1 chunks) and a cache length that is not a multiple of
 # the split.

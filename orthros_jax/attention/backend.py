@@ -97,14 +97,17 @@ class AttentionBackend:
                              batch_axis=batch_axes, head_axis=head_axes)
 
   def exact(self) -> Callable:
-    """Causal full-sequence attention (phase='forward')."""
-    return dispatch.exact_attention(self.impl)
+    """Causal full-sequence attention (phase='forward'): cuDNN flash on
+    GPU, Pallas flash on one TPU device, XLA elsewhere
+    (`dispatch.exact_attention`)."""
+    return dispatch.exact_attention(self.impl,
+                                    on_mesh=self.placement is not None)
 
   def fresh_prompt(self) -> Callable | None:
     """Causal attention for a dense prompt written into an empty cache
-    (cuDNN flash attention on GPU), or None where the prompt reads the
-    cache back through `decode` (CPU, TPU, and every mesh: there the cache
-    may be split by position)."""
+    (cuDNN flash attention on GPU, Pallas flash on TPU), or None where the
+    prompt reads the cache back through `decode` (CPU, and every mesh:
+    there the cache may be split by position)."""
     if self.placement is not None:
       return None
     return dispatch.fresh_prompt_attention(self.impl)

@@ -10,10 +10,13 @@
            (y = q, no token mixing, the linear state passed through). Not a
            model: the speed benchmarks' ceiling, the same network with the
            attention cost removed (projections, cache writes, MLPs stay).
-The dense exact attention of `phase='forward'` uses cuDNN flash attention
-through `jax.nn.dot_product_attention` on GPU where it applies (half
-precision, head_dim a multiple of 8 up to 128) and the blocked XLA path
-elsewhere.
+The dense exact attention of `phase='forward'` (and a dense prompt written
+into an empty cache) uses cuDNN flash attention through
+`jax.nn.dot_product_attention` on GPU where it applies (half precision,
+head_dim a multiple of 8 up to 128), JAX's Pallas TPU flash attention
+(`jax.experimental.pallas.ops.tpu.flash_attention`) on TPU where it applies
+(one device, a prompt length that is a multiple of `TPU_FLASH_BLOCK`), and
+the blocked XLA path elsewhere.
 
 The choice is made at trace time from `jax.default_backend()`; the kernels
 themselves also select their TPU or GPU schedule at lowering time.
@@ -27,6 +30,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
 
 from orthros_jax.attention.orthros import orthros_prefill
 from orthros_jax.attention.softmax import decode_attention
@@ -36,6 +40,9 @@ from pallas_kernels.flash_decode import flash_decode
 from pallas_kernels.linear_prefill import linear_prefill
 
 IMPLS = ('auto', 'xla', 'pallas', 'none')
+# The TPU flash kernel's block along the sequence (its default BlockSizes):
+# prompts whose length is a multiple of it take the kernel.
+TPU_FLASH_BLOCK = 128
 
 
 def _no_prefill(q, k, v, phi_q, phi_k, gamma, *, initial_state=None,
@@ -166,35 +173,66 @@ def decode_impl(impl: str, *, head_dim: int, query_rows: int = 1) -> Callable:
                                 query_rows=query_rows)]
 
 
-def fresh_prompt_attention(impl: str) -> Callable | None:
+def fresh_prompt_attention(impl: str, *, on_mesh: bool = False
+                           ) -> Callable | None:
   """Causal attention over a prompt written into an empty cache, where a
-  flash kernel beats reading the cache back: cuDNN's on GPU
-  (`exact_attention`, which falls back to XLA where cuDNN does not apply);
-  None elsewhere (CPU and TPU read the cache through `decode_impl`)."""
+  flash kernel beats reading the cache back: cuDNN's on GPU, the Pallas
+  TPU flash kernel on one TPU device (`exact_attention`, which falls back
+  to XLA where the kernel does not apply); None elsewhere (the CPU reads
+  the cache through `decode_impl`)."""
   if impl not in IMPLS:
     raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
                      f'{IMPLS}')
-  if impl in ('none', 'xla') or _backend() != 'gpu':
+  if impl in ('none', 'xla') or _backend() not in ('gpu', 'tpu'):
     return None
-  return exact_attention(impl)
+  return exact_attention(impl, on_mesh=on_mesh)
 
 
-def exact_attention(impl: str) -> Callable:
-  """Causal full-sequence attention (q [B,T,H,D], k/v [B,T,K,D])."""
+def tpu_flash_attention(q, k, v, *, causal: bool = True):
+  """Self-attention of a prompt (q [B,T,H,D], k/v [B,T,K,D], T a multiple
+  of TPU_FLASH_BLOCK) with JAX's Pallas TPU flash kernel; grouped-query
+  attention repeats each kv head over its query group (head h reads kv
+  head h // (H / K), as `softmax_attention`). Returns [B,T,H,D] in
+  q.dtype; its backward is the kernel's own."""
+  h, d = q.shape[2], q.shape[3]
+  group = h // k.shape[2]
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+  y = tpu_flash.flash_attention(
+      heads_first(q), heads_first(jnp.repeat(k, group, axis=2)),
+      heads_first(jnp.repeat(v, group, axis=2)), causal=causal,
+      sm_scale=d ** -0.5)
+  return heads_first(y).astype(q.dtype)
+
+
+def _tpu_flash_or_xla(q, k, v, *, causal=True):
+  t = q.shape[1]
+  if t == k.shape[1] and t % TPU_FLASH_BLOCK == 0:
+    return tpu_flash_attention(q, k, v, causal=causal)
+  return softmax_attention(q, k, v, causal=causal)
+
+
+def _cudnn_or_xla(q, k, v, *, causal=True):
+  d = q.shape[-1]
+  if (q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128
+      and q.shape[1] == k.shape[1]):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                        implementation='cudnn')
+  return softmax_attention(q, k, v, causal=causal)
+
+
+def exact_attention(impl: str, *, on_mesh: bool = False) -> Callable:
+  """Causal full-sequence attention (q [B,T,H,D], k/v [B,T,K,D]): cuDNN
+  on GPU, the Pallas flash kernel on TPU (not on a mesh: XLA cannot split
+  a Pallas call, the XLA path is partitioned instead), XLA elsewhere; each
+  kernel falls back to XLA for shapes it does not take."""
   if impl not in IMPLS:
     raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
                      f'{IMPLS}')
   if impl == 'none':
     return _no_attention
-  if impl == 'xla' or _backend() != 'gpu':
+  backend = _backend()
+  if impl == 'xla' or backend not in ('gpu', 'tpu'):
     return softmax_attention
-
-  def cudnn_or_xla(q, k, v, *, causal=True):
-    d = q.shape[-1]
-    if (q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128
-        and q.shape[1] == k.shape[1]):
-      return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                          implementation='cudnn')
-    return softmax_attention(q, k, v, causal=causal)
-
-  return cudnn_or_xla
+  if backend == 'gpu':
+    return _cudnn_or_xla
+  return softmax_attention if on_mesh else _tpu_flash_or_xla
