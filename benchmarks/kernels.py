@@ -8,7 +8,8 @@ One run measures, on the default JAX backend:
      the copy bandwidth (x -> x + 1, bytes read + written per second);
   2. prefill time vs prompt length N: XLA `orthros_prefill`, the XLA blocked
      dense `softmax_attention(causal=True)`, and on GPU/TPU the Pallas
-     `linear_prefill` (plus cuDNN flash attention on GPU);
+     `linear_prefill` (on GPU also its sequential schedule, and cuDNN flash
+     attention; on TPU JAX's Pallas flash attention);
   3. decode time vs cache length: XLA `decode_attention`, and on GPU/TPU the
      Pallas `flash_decode`;
 and writes <out>/kernels.json, kernels.csv, prefill.png, decode.png and a
@@ -206,7 +207,7 @@ def prefill_flops(impl, n, s):
     (read of the state) and phi_k v^T (fold into the state).
   """
   b, h, d, f = s['batch'], s['heads'], s['head_dim'], s['feature_dim']
-  if impl in ('dense_xla', 'dense_cudnn'):
+  if impl.startswith('dense'):
     return 2 * 2 * b * h * (n * n / 2) * d
   s_blk = orthros_block_keys(n, s['window'], s['chunk'])
   return b * h * n * (2 * s_blk * (2 * d + f) + 4 * f * d)
@@ -238,6 +239,8 @@ def prefill_memory(impl, n, s, itemsize):
   if impl == 'dense_xla':  # padded/moved k, v copies, f32 out, block scores
     blk = min(s['dense_block'], n)
     return io + 4 * b * n * (h * d + 2 * kh * d) * 2 + 4 * 4 * b * h * blk**2
+  if impl == 'orthros_pallas':  # GPU: float32 chunk states, prefix sums
+    return 2 * io + 3 * 4 * b * h * -(-n // s['chunk']) * f * (d + 1)
   return 2 * io  # kernels: inputs, outputs, small per-block scratch
 
 
@@ -292,6 +295,15 @@ def prefill_impls(backend, s):
     else:
       impls['orthros_pallas'] = (lambda q, k, v, pq, pk, g: kernel(
           q, k, v, pq, pk, g, window=w, chunk_size=c)[0], 1, 'orthros_xla')
+      if backend == 'gpu':  # the earlier one-program-per-head GPU schedule
+        impls['orthros_pallas_seq'] = (lambda q, k, v, pq, pk, g: kernel(
+            q, k, v, pq, pk, g, window=w, chunk_size=c,
+            platform='gpu_sequential')[0], 1, 'orthros_xla')
+  if backend == 'tpu':  # the dense side at its best: JAX's Pallas flash
+    flash = _load_kernel('orthros_jax.attention.dispatch',
+                         'tpu_flash_attention')
+    impls['dense_tpu_flash'] = flash if isinstance(flash, str) else (
+        lambda q, k, v, pq, pk, g: flash(q, k, v), 2, 'dense_xla')
   if FLAGS.with_feature_map:
     name, prefill = 'orthros_xla_phi', orthros_prefill
     if isinstance(impls['orthros_pallas'], tuple):

@@ -29,8 +29,10 @@ def analyse(rows):
   out = {'ratios': {}, 'slopes': {}}
   for num, den in (('dense_xla', 'orthros_xla'),
                    ('dense_cudnn', 'orthros_pallas'),
+                   ('dense_tpu_flash', 'orthros_pallas'),
                    ('dense_xla', 'orthros_pallas'),
-                   ('orthros_xla', 'orthros_pallas')):
+                   ('orthros_xla', 'orthros_pallas'),
+                   ('orthros_pallas_seq', 'orthros_pallas')):
     a, b = _ok(rows, 'prefill', num), _ok(rows, 'prefill', den)
     ns = sorted(set(a) & set(b))
     if not ns:

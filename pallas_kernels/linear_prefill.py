@@ -11,15 +11,23 @@ terms over the chunk's key block (the chunk and the nb chunks before it,
 nb * C >= W - 1), plus the carried float32 state (S [F, D], z [F]) of every
 key before the block; then the block's oldest chunk is folded into the state.
 
-Two launch schedules share `_chunk_update`:
-- TPU (Mosaic): grid (B, H, chunks); the chunk axis is sequential
-  ('arbitrary'), the state lives in VMEM scratch across grid steps, and each
-  step's key block arrives as nb + 1 pipelined chunk-sized blocks, so any N
-  fits in VMEM.
-- GPU (Triton): grid (B, H); one program loops over the chunks of its
-  sequence with `fori_loop`, loading each chunk's slices from global memory
-  and keeping the state in registers. Triton needs power-of-two block sizes,
-  so D, F and the block are padded (zero features change nothing).
+Three launch schedules share `_chunk_output` (a chunk's window softmax and
+linear terms against the state of every key before its block) and `_fold`:
+- TPU (Mosaic), platform 'tpu': grid (B, H, chunks); the chunk axis is
+  sequential ('arbitrary'), the state lives in VMEM scratch across grid
+  steps, and each step's key block arrives as nb + 1 pipelined chunk-sized
+  blocks, so any N fits in VMEM.
+- GPU (Triton), platform 'gpu', what a GPU lowers to: chunk-parallel, as
+  flash-linear-attention's chunked kernels. Pass 1, grid (B, H, key
+  chunks): each chunk's own (S, z) contribution; pass 2 (XLA): an exclusive
+  prefix sum over the chunks; pass 3, grid (B, H, query chunks): each
+  chunk's output against its key block and its prefix state. One prompt of
+  a 9-head model launches 9 x chunks programs instead of 9.
+- GPU (Triton), platform 'gpu_sequential': grid (B, H); one program loops
+  over the chunks of its sequence with `fori_loop`, keeping the state in
+  registers (the earlier GPU schedule, kept for comparison).
+Triton needs power-of-two block sizes, so on GPU D, F and the block are
+padded (zero features change nothing).
 Per-example masks are two scalars: keys are valid from padded index `lo`
 (front padding and a history shorter than the window are invalid) and fold
 into the state below `hi` (older than the last valid token's window). The
@@ -63,13 +71,11 @@ Array = jax.Array
 __all__ = ['linear_prefill']
 
 
-def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
-                  *, gamma, lo, hi, key_start, window, nb, chunk, scale):
-  """One chunk. q [C, D], kb/vb [S, D], phiq [C, F], phikb [S, F],
-  s_state [F, D], z_state [1, F]; key_start = padded index of kb[0];
-  v_old [C, D], phik_old [C, F]: the block's oldest chunk (its first C keys,
-  passed separately because Triton cannot slice values).
-  Returns y [C, D] and the state after folding the block's oldest chunk."""
+def _chunk_output(q, kb, vb, phiq, phikb, s_state, z_state, *, gamma, lo,
+                  key_start, window, nb, chunk, scale):
+  """One chunk's output. q [C, D], kb/vb [S, D], phiq [C, F], phikb [S, F],
+  s_state [F, D], z_state [1, F] (every key before the block); key_start =
+  padded index of kb[0]. Returns y [C, D] (float32)."""
   f32 = jnp.float32
   # bf16 / f16 q, k, v stay in their dtype for the dots (tensor-core / MXU
   # rate) with float32 accumulation; feature maps, the state (S, z) and the
@@ -98,7 +104,18 @@ def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
       phiq, s_state, preferred_element_type=f32)
   den = jnp.sum(w, axis=1, keepdims=True) + jnp.sum(
       phiq * z_state, axis=1, keepdims=True)
-  y = normalize(num, den)
+  return normalize(num, den)
+
+
+def _chunk_update(q, kb, vb, phiq, phikb, s_state, z_state, v_old, phik_old,
+                  *, gamma, lo, hi, key_start, window, nb, chunk, scale):
+  """One chunk of a sequential schedule: `_chunk_output`, then the block's
+  oldest chunk (v_old [C, D], phik_old [C, F]: its first C keys, passed
+  separately because Triton cannot slice values) folded into the state.
+  Returns y [C, D] and the state after the fold."""
+  y = _chunk_output(q, kb, vb, phiq, phikb, s_state, z_state, gamma=gamma,
+                    lo=lo, key_start=key_start, window=window, nb=nb,
+                    chunk=chunk, scale=scale)
   s_state, z_state = _fold(s_state, z_state, phik_old, v_old, key_start, lo,
                            hi)
   return y, s_state, z_state
@@ -264,6 +281,90 @@ def _gpu_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window, nb,
   )(sc_rows, g_rows, q, k, v, phiq, phik, s0, z0)
 
 
+def _gpu_chunks_call(scalars, gamma, q, k, v, phiq, phik, s0, z0, *, window,
+                     nb, chunk, groups, scale, interpret):
+  """The chunk-parallel GPU schedule (flash-linear-attention's passes):
+  1. every key chunk's contribution to (S, z), grid (B, H, key chunks);
+  2. an exclusive prefix sum over the chunks (XLA): the state each query
+     chunk starts from, and the final state;
+  3. every query chunk's output against its key block and its state, grid
+     (B, H, query chunks).
+  The chunk states are held in float32 ([B, H, chunks, F, D]) between the
+  passes; the sums run in another order than the sequential loop's, so the
+  results agree to float32 rounding."""
+  b, h, n, d = q.shape
+  f = phiq.shape[-1]
+  nk = k.shape[2]
+  num_chunks = n // chunk
+  key_chunks = nk // chunk  # nb front chunks + num_chunks
+  s_len = (nb + 1) * chunk
+  f32 = jnp.float32
+  sc_rows = jnp.zeros((b, 16), jnp.int32).at[:, :2].set(scalars)
+  g_rows = jnp.broadcast_to(gamma[:, None], (h, 16))
+  params = pltr.CompilerParams(**GPU_COMPILER_PARAMS)
+  per_batch = pl.BlockSpec((None, 16), lambda i, j, c: (i, 0))
+  per_chunk = lambda width, head: pl.BlockSpec(
+      (None, None, chunk, width), lambda i, j, c: (i, head(j), c, 0))
+  per_chunk_state = (
+      pl.BlockSpec((None, None, None, f, d), lambda i, j, c: (i, j, c, 0, 0)),
+      pl.BlockSpec((None, None, None, 1, f), lambda i, j, c: (i, j, c, 0, 0)))
+  query_head = lambda j: j
+  kv_head = lambda j: jax.lax.div(j, groups)
+
+  def state_kernel(sc_ref, pk_ref, v_ref, ds_ref, dz_ref):
+    lo, hi = sc_ref[0], sc_ref[1]
+    start = pl.program_id(2) * chunk
+    ds, dz = _fold(jnp.zeros((f, d), f32), jnp.zeros((1, f), f32),
+                   pk_ref[...], v_ref[...].astype(f32), start, lo, hi)
+    ds_ref[...] = ds
+    dz_ref[...] = dz
+
+  ds, dz = pl.pallas_call(
+      state_kernel, grid=(b, h, key_chunks),
+      in_specs=[per_batch, per_chunk(f, query_head), per_chunk(d, kv_head)],
+      out_specs=list(per_chunk_state),
+      out_shape=[jax.ShapeDtypeStruct((b, h, key_chunks, f, d), f32),
+                 jax.ShapeDtypeStruct((b, h, key_chunks, 1, f), f32)],
+      compiler_params=params, interpret=interpret,
+      name='orthros_linear_prefill_states',
+  )(sc_rows, phik, v)
+
+  # Query chunk c starts from s0 plus key chunks 0 .. c - 1 (padded key
+  # coordinates: its block begins at key chunk c); the final state adds
+  # every key chunk.
+  cs, cz = jnp.cumsum(ds, axis=2), jnp.cumsum(dz, axis=2)
+  exclusive = lambda x: jnp.pad(x[:, :, :num_chunks - 1],
+                                [(0, 0), (0, 0), (1, 0), (0, 0), (0, 0)])
+  s_before = s0[:, :, None] + exclusive(cs)
+  z_before = z0[:, :, None] + exclusive(cz)
+
+  def output_kernel(sc_ref, g_ref, q_ref, pq_ref, k_ref, v_ref, pk_ref, s_ref,
+                    z_ref, y_ref):
+    start = pl.multiple_of(pl.program_id(2) * chunk, chunk)
+    block = pl.ds(start, s_len)  # this chunk's key block (padded coordinates)
+    y = _chunk_output(
+        q_ref[...], k_ref[block, :], v_ref[block, :], pq_ref[...],
+        pk_ref[block, :], s_ref[...], z_ref[...], gamma=g_ref[0],
+        lo=sc_ref[0], key_start=start, window=window, nb=nb, chunk=chunk,
+        scale=scale)
+    y_ref[...] = y.astype(y_ref.dtype)
+
+  whole = lambda width, head: pl.BlockSpec(
+      (None, None, nk, width), lambda i, j, c: (i, head(j), 0, 0))
+  y = pl.pallas_call(
+      output_kernel, grid=(b, h, num_chunks),
+      in_specs=[per_batch, pl.BlockSpec((None, 16), lambda i, j, c: (j, 0)),
+                per_chunk(d, query_head), per_chunk(f, query_head),
+                whole(d, kv_head), whole(d, kv_head), whole(f, query_head),
+                *per_chunk_state],
+      out_specs=per_chunk(d, query_head),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=params, interpret=interpret,
+      name='orthros_linear_prefill',
+  )(sc_rows, g_rows, q, phiq, k, v, phik, s_before, z_before)
+  return y, s0 + cs[:, :, -1], z0 + cz[:, :, -1]
+
+
 # ----------------------------------------------------------------- wrapper
 
 
@@ -329,13 +430,13 @@ def _kernel_forward(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,
   num_chunks = -(-n // chunk_size)
   nb = -(-(window - 1) // chunk_size) if window > 1 else 0
   nb = min(nb, num_chunks - 1)
-  gpu = platform == 'gpu'
+  gpu = platform in ('gpu', 'gpu_sequential')
   if gpu:  # Triton: the key block (nb + 1) * C must be a power of two.
     nb = next_pow2(nb + 1) - 1
   scalars, gamma32, ops, dims = _layout(
       q, k, v, phi_q, phi_k, gamma, lengths, initial_state, prefix,
       window=window, chunk=chunk_size, nb=nb, pad_dims=gpu)
-  call = _gpu_call if gpu else _tpu_call
+  call = SCHEDULES[platform]
   y, s, z = call(scalars, gamma32, ops['q'], ops['k'], ops['v'], ops['phiq'],
                  ops['phik'], ops['s0'], ops['z0'], window=window, nb=nb,
                  chunk=chunk_size, groups=groups, scale=scale,
@@ -362,6 +463,10 @@ def _check_args(q, k, v, phi_q, phi_k, gamma, window, chunk_size):
 
 
 _PLATFORMS = {'tpu': 'tpu', 'gpu': 'gpu'}  # jax.default_backend() -> schedule
+# platform= -> launch schedule: 'gpu' is the chunk-parallel one (what a GPU
+# lowers to), 'gpu_sequential' the one-program-per-(batch, head) loop.
+SCHEDULES = {'tpu': _tpu_call, 'gpu': _gpu_chunks_call,
+             'gpu_sequential': _gpu_call}
 
 
 def _no_fallback(what: str):
@@ -436,8 +541,8 @@ def linear_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
 
   interpret: run the kernel body in the Pallas interpreter (CPU tests).
   platform: None picks the schedule when lowering ('tpu' on TPU, 'gpu' on
-    CUDA/ROCm, `fallback` elsewhere); 'tpu' or 'gpu' forces one (with
-    interpret=True both run on CPU).
+    CUDA/ROCm, `fallback` elsewhere); 'tpu', 'gpu' (chunk-parallel) or
+    'gpu_sequential' forces one (with interpret=True each runs on CPU).
   fallback: the XLA reference with orthros_prefill's signature
     (`orthros_jax.attention.orthros_prefill`): what runs on a platform
     without a kernel, and what the backward pass differentiates. Without
@@ -447,8 +552,9 @@ def linear_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
   chunk_size: a multiple of 8 on TPU and a power of two on GPU.
   """
   _check_args(q, k, v, phi_q, phi_k, gamma, window, chunk_size)
-  if platform not in (None, 'tpu', 'gpu'):
-    raise ValueError(f"platform={platform!r}: expected None, 'tpu' or 'gpu'")
+  if platform is not None and platform not in SCHEDULES:
+    raise ValueError(f'platform={platform!r}: expected None or one of '
+                     f'{tuple(SCHEDULES)}')
   if lengths is not None:
     lengths = jnp.asarray(lengths, jnp.int32)
   return _linear_prefill(q, k, v, phi_q, phi_k, gamma, lengths, initial_state,

@@ -72,6 +72,40 @@ def test_exact_attention_script(tmp_path):
   assert '| 130 | grad |' in (tmp_path / 'report.md').read_text()
 
 
+def test_kernels_script_on_cpu(tmp_path):
+  """benchmarks/kernels.py at a tiny shape on CPU: the ceilings, the XLA
+  prefill and decode rows, the Pallas rows skipped with their reason (CPU
+  runs no kernel), the ratio of dense to Orthros and the outputs."""
+  cmd = [sys.executable, 'benchmarks/kernels.py', '--out', str(tmp_path),
+         '--lens', '128,256', '--decode_lens', '128', '--heads', '2',
+         '--kv_heads', '1', '--head_dim', '16', '--feature_dim', '8',
+         '--window', '16', '--chunk', '16', '--dense_block', '64',
+         '--matmul_size', '128', '--copy_mb', '1', '--min_reps', '3',
+         '--max_reps', '3', '--rep_budget_s', '5']
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / 'kernels.json') as f:
+    res = json.load(f)
+  rows = res['measurements']
+  ok = {(r['section'], r['impl'], r['n']) for r in rows
+        if r['status'] == 'ok'}
+  assert ok >= {('prefill', i, n) for i in ('orthros_xla', 'dense_xla')
+                for n in (128, 256)} | {('decode', 'decode_xla', 128)}
+  skipped = [r for r in rows if r['impl'] == 'orthros_pallas']
+  assert skipped and all('GPU/TPU only' in r['status'] for r in skipped)
+  for r in rows:
+    if r['status'] == 'ok':
+      assert r['reps'] >= 3 and r['time_min_s'] > 0
+      # Each row against the machine's measured ceilings: prefill against
+      # the matmul rate, decode against the copy bandwidth.
+      frac = 'frac_matmul' if r['section'] == 'prefill' else 'frac_bandwidth'
+      assert r[frac] > 0
+  assert set(res['analysis']['ratios']['dense_xla/orthros_xla']['per_n']) \
+      == {'128', '256'}
+  assert (tmp_path / 'kernels.csv').stat().st_size > 0
+
+
 def test_auto_block_follows_the_backend(monkeypatch):
   monkeypatch.setattr(jax, 'default_backend', lambda: 'cpu')
   assert softmax._auto_block(256, 256) is None  # pylint: disable=protected-access

@@ -2,10 +2,13 @@
 
 Both kernels have two launch schedules, selected with `platform=`:
   'tpu'  grid over chunks / splits, VMEM scratch state, scalar prefetch;
-  'gpu'  one program per (batch, head) looping with fori_loop (prefill) or a
-         (batch, kv head, split) grid (decode), power-of-two padding.
-With `interpret=True` both run on CPU in the Pallas interpreter, so every
-numerical case below runs on both schedules (the `platform` parameter).
+  'gpu'  the prefill chunk-parallel in three passes (chunk states, prefix
+         sum, outputs over a (batch, head, chunk) grid) or a (batch, kv
+         head, split) grid (decode), power-of-two padding.
+The prefill has a third, 'gpu_sequential' (one program per (batch, head)
+looping over the chunks with fori_loop), checked on a subset of the cases.
+With `interpret=True` all run on CPU in the Pallas interpreter, so every
+numerical case below runs on both main schedules (the `platform` parameter).
 
 Expected values come from the XLA references `orthros_jax.attention.
 orthros_prefill` / `decode_attention` (themselves checked against float64
@@ -186,8 +189,14 @@ PREFILL_CASES = {
 DTYPES = {'f32': jnp.float32, 'bf16': jnp.bfloat16}
 
 
-@pytest.mark.parametrize('platform', PLATFORMS)
-@pytest.mark.parametrize('case', list(PREFILL_CASES))
+# The sequential GPU prefill on the cases that exercise its loop: a window
+# over several chunks (nb rounded up), GQA 4, bf16, no lengths.
+SEQUENTIAL = 'gpu_sequential'
+
+
+@pytest.mark.parametrize(
+    'case,platform', [(c, p) for c in PREFILL_CASES for p in PLATFORMS] +
+    [(c, SEQUENTIAL) for c in ('w17', 'gqa4', 'bf16_w7', 'no_lengths')])
 def test_prefill_matches_xla(case, platform):
   t, h, kh, d, f, chunk, window, lengths, dt, phi = PREFILL_CASES[case]
   b = 3 if lengths is None else len(lengths)
@@ -277,8 +286,9 @@ CONTINUED_CASES = {
 }
 
 
-@pytest.mark.parametrize('platform', PLATFORMS)
-@pytest.mark.parametrize('case', list(CONTINUED_CASES))
+@pytest.mark.parametrize(
+    'case,platform', [(c, p) for c in CONTINUED_CASES for p in PLATFORMS] +
+    [(c, SEQUENTIAL) for c in ('w17_c8_gqa4', 'w0_state_only')])
 def test_continued_prefill(case, platform):
   """Kernel == XLA reference with the same (initial_state, prefix), and the
   pair of turns == the float64 formula over the whole conversation."""
