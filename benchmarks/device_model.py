@@ -169,6 +169,22 @@ def _fn_name(fn) -> str:
   return f'{getattr(fn, "__module__", "?")}.{getattr(fn, "__name__", fn)}'
 
 
+def _exact_name(fn, cfg: ModelConfig, n: int) -> str:
+  """What `dispatch.exact_attention`'s choice runs for a prompt of n."""
+  name = _fn_name(fn)
+  if fn is dispatch._cudnn_or_xla:  # pylint: disable=protected-access
+    d = cfg.head_dim
+    cudnn = (jnp.dtype(cfg.dtype) in (jnp.bfloat16, jnp.float16)
+             and d % 8 == 0 and d <= 128)
+    name += (" -> jax.nn.dot_product_attention(implementation='cudnn')"
+             if cudnn else ' -> softmax_attention (XLA)')
+  elif fn is dispatch._tpu_flash_or_xla:  # pylint: disable=protected-access
+    name += (' -> Pallas TPU flash_attention'
+             if n % dispatch.TPU_FLASH_BLOCK == 0
+             else ' -> softmax_attention (XLA)')
+  return name
+
+
 def implementations(variant: str, cfg: ModelConfig, n: int) -> dict:
   """The attention functions `dispatch` picks for this variant's prefill
   (TTFT) and decode step here: the same calls the model makes at trace
@@ -177,13 +193,7 @@ def implementations(variant: str, cfg: ModelConfig, n: int) -> dict:
   if variant == 'dense_forward':
     fn = dispatch.exact_attention(a.impl)
     name = _fn_name(fn)
-    if fn.__name__ == 'cudnn_or_xla':
-      d = cfg.head_dim
-      cudnn = (jnp.dtype(cfg.dtype) in (jnp.bfloat16, jnp.float16)
-               and d % 8 == 0 and d <= 128)
-      name += (" -> jax.nn.dot_product_attention(implementation='cudnn')"
-               if cudnn else ' -> softmax_attention (XLA)')
-    return {'prefill_impl': name}
+    return {'prefill_impl': _exact_name(fn, cfg, n)}
   decode = dispatch.decode_impl(a.impl, head_dim=cfg.head_dim,
                                 query_rows=g)
   out = {'decode_impl': _fn_name(decode)}
@@ -195,6 +205,10 @@ def implementations(variant: str, cfg: ModelConfig, n: int) -> dict:
     if tail:
       out['tail_impl'] = _fn_name(dispatch.decode_impl(
           a.impl, head_dim=cfg.head_dim, query_rows=g * tail))
+    return out
+  fresh = dispatch.fresh_prompt_attention(a.impl)
+  if fresh is not None:  # an empty cache: the prompt attends to itself
+    out['prefill_impl'] = _exact_name(fresh, cfg, n)
     return out
   prefill = dispatch.decode_impl(a.impl, head_dim=cfg.head_dim,
                                  query_rows=g * n)
@@ -388,12 +402,14 @@ def run(out_dir: str, *, tiny: bool = False, lengths=None, reps: int = 3,
           'as converted (sinks=4), an extra run only if time allows.',
           "Orthros TTFT = prefill of N - exact_tail tokens + the last "
           'token through exact decode (exact_tail=1), as speed.measure.',
-          "'dense' TTFT is phase='prefill' of a dense model: exact "
-          'attention over the cache through dispatch.decode_impl, which '
-          'sends long query blocks (G*T > 128 rows) to the XLA blocked '
-          "decode_attention, not cuDNN. 'dense_forward' (extra) is "
-          "phase='forward' (dispatch.exact_attention: cuDNN on GPU in "
-          'bf16), no cache write, LM head possibly over every position.',
+          "'dense' TTFT is phase='prefill' of a dense model into an "
+          'empty cache: on GPU / TPU the prompt attends to itself '
+          '(dispatch.fresh_prompt_attention: cuDNN in bf16 / f16 on GPU, '
+          'Pallas flash on TPU for lengths that are multiples of 128), '
+          'elsewhere exact attention over the cache through '
+          "dispatch.decode_impl. 'dense_forward' (extra) is "
+          "phase='forward' (dispatch.exact_attention), no cache write, LM "
+          'head possibly over every position.',
           'Decode: one step over a cache of N tokens (exact attention for '
           'every variant), median of reps steps.',
           'ttft_s / ttft_min_s come from speed.measure; ttft_times_s (and '

@@ -239,7 +239,8 @@ def prefill_memory(impl, n, s, itemsize):
   if impl == 'dense_xla':  # padded/moved k, v copies, f32 out, block scores
     blk = min(s['dense_block'], n)
     return io + 4 * b * n * (h * d + 2 * kh * d) * 2 + 4 * 4 * b * h * blk**2
-  if impl == 'orthros_pallas':  # GPU: float32 chunk states, prefix sums
+  if impl == 'orthros_pallas' and jax.default_backend() == 'gpu':
+    # the chunk-parallel schedule's float32 chunk states and prefix sums
     return 2 * io + 3 * 4 * b * h * -(-n // s['chunk']) * f * (d + 1)
   return 2 * io  # kernels: inputs, outputs, small per-block scratch
 
@@ -346,6 +347,8 @@ def _past_deadline():
 
 
 def _skip_reason(impl, n, last, exponent, mem, free):
+  if impl == 'dense_tpu_flash' and n % 128:
+    return 'shape: the TPU flash kernel takes lengths that are multiples of 128'
   if impl == 'dense_xla' and FLAGS.dense_xla_max_len and (
       n > FLAGS.dense_xla_max_len):
     return (f'capped: N > --dense_xla_max_len={FLAGS.dense_xla_max_len} '

@@ -234,6 +234,15 @@ def test_dense_prompt_on_tpu_runs_the_pallas_flash_kernel(monkeypatch):
   assert dispatch.exact_attention('auto', on_mesh=True) is softmax_attention
   assert dispatch.exact_attention('xla') is softmax_attention
   assert dispatch.fresh_prompt_attention('auto') is dispatch._tpu_flash_or_xla
+  # The model's backend: one device takes the kernel, a mesh keeps XLA.
+  from orthros_jax.attention.backend import AttentionBackend
+  from orthros_jax.attention.placement import Placement
+  one = AttentionBackend.for_model(config)
+  assert one.exact() is one.fresh_prompt() is dispatch._tpu_flash_or_xla
+  mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
+  sharded = AttentionBackend.for_model(config, Placement(mesh, 'data'))
+  assert sharded.exact() is softmax_attention
+  assert sharded.fresh_prompt() is None
   for fn, ref in zip(programs(), want):
     jaxpr = str(jax.make_jaxpr(fn)(params, x))
     assert 'pallas_call' in jaxpr

@@ -262,9 +262,10 @@ def test_eval_config_parsed_once_into_a_plan():
                           'lm_eval')]
   for c in shipped:
     c.checkpoint = c.checkpoint or '/nonexistent'
+    c.teacher = c.teacher or '/nonexistent'
     assert plan_lib.check_config(c).models == tuple(c.models)
   c = eval_tiny.get_config()
-  c.checkpoint = '/nonexistent'
+  c.checkpoint = c.teacher = '/nonexistent'
   plan = plan_lib.check_config(c)
   assert plan_lib.check_config(plan) is plan
   with pytest.raises(dataclasses.FrozenInstanceError):
@@ -272,19 +273,19 @@ def test_eval_config_parsed_once_into_a_plan():
   spec = {s.task: s for s in plan.tasks}['passkey']
   assert spec.lengths == tuple(c.tasks.passkey.lengths)
   assert len(list(spec.cells())) == len(spec.lengths) * len(spec.depths)
-  assert plan.quality['num_epochs'] == 1
+  assert plan.quality == c.quality.to_dict()
   assert plan.speed.lengths == tuple(c.speed.lengths)
   # sinks 0 was silently read as 4 before the plan.
   for key, value, match in (
       ('sinks', 0, 'sinks=0'), ('models', ('orthros', 'sparse'), 'sparse'),
       ('checkpoint', '', 'set checkpoint')):
     bad = eval_tiny.get_config()
-    bad.checkpoint = '/nonexistent'
+    bad.checkpoint = bad.teacher = '/nonexistent'
     bad.unlock()[key] = value
     with pytest.raises(ValueError, match=match):
       plan_lib.check_config(bad)
   bad = eval_tiny.get_config().to_dict()
-  bad['checkpoint'] = '/nonexistent'
+  bad['checkpoint'] = bad['teacher'] = '/nonexistent'
   bad['sink'] = 4
   with pytest.raises(ValueError, match=r"unknown keys \['sink'\]"):
     plan_lib.check_config(bad)
@@ -295,9 +296,13 @@ def test_eval_config_parsed_once_into_a_plan():
       ('tasks', dict(passkey=dict(lengths=(64, 96), num_examples=(2,))),
        'one per length'),
       ('tasks', dict(niah=dict(lengths=(64,), depths=(1.5,))), r'\[0, 1\]'),
-      ('lm_eval', dict(tasks=('piqa',), batchsize=2), 'batchsize')):
+      ('lm_eval', dict(tasks=('piqa',), batchsize=2), 'batchsize'),
+      ('tasks', dict(passkee=dict(lengths=(64,))), 'not a task'),
+      ('quality', dict(source='text', seqlen=64), r"unknown keys \['seqlen'"),
+      ('teacher', '', "'teacher' row needs teacher"),
+      ('models', ('orthros', 'linear_trained'), 'linear_checkpoint')):
     bad = eval_tiny.get_config().to_dict()
-    bad['checkpoint'] = '/nonexistent'
+    bad['checkpoint'] = bad['teacher'] = '/nonexistent'
     bad[section] = value
     with pytest.raises(ValueError, match=match):
       plan_lib.check_config(bad)

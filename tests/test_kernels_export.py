@@ -71,6 +71,18 @@ def test_lowers_for_tpu_and_cuda(kernel, dtype, target):
 
 
 
+def test_sequential_gpu_prefill_lowers_for_cuda():
+  """platform='gpu_sequential' (the one-program-per-(batch, head) loop,
+  timed beside the chunk-parallel default on a GPU) lowers to Triton."""
+  fn, args = _prefill_lowering_args(jnp.bfloat16, False)
+  exported = jax.export.export(
+      jax.jit(functools.partial(fn, platform='gpu_sequential')),
+      platforms=['cuda'],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+          *args)
+  assert exported.mlir_module().count(TRITON) == 1
+
+
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16],
                          ids=['f32', 'bf16'])
 def test_dense_flash_attention_lowers_for_tpu(dtype, monkeypatch):
@@ -87,10 +99,12 @@ def test_dense_flash_attention_lowers_for_tpu(dtype, monkeypatch):
   def loss(q, k, v):
     return fn(q, k, v, causal=True).astype(jnp.float32).sum()
 
-  for program in (fn, jax.grad(loss, argnums=(0, 1, 2))):
+  # The forward is one kernel; the gradient program runs the forward (with
+  # its residuals) and the backward's dq and dk/dv kernels.
+  for program, calls in ((fn, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
     exported = jax.export.export(jax.jit(program), platforms=['tpu'])(q, kv,
                                                                       kv)
-    assert TPU_CALL in exported.mlir_module()
+    assert exported.mlir_module().count(TPU_CALL) >= calls
 
 
 # Shapes found in review: wide windows on the GPU schedule (look-back
@@ -139,8 +153,9 @@ def _dot_dtypes(jaxpr) -> set[tuple[str, ...]]:
   return found
 
 
-@pytest.mark.parametrize('platform', ['tpu', 'gpu'])
-@pytest.mark.parametrize('kernel', ['prefill', 'decode'])
+@pytest.mark.parametrize('kernel,platform', [
+    ('prefill', 'tpu'), ('prefill', 'gpu'), ('prefill', 'gpu_sequential'),
+    ('decode', 'tpu'), ('decode', 'gpu')])
 def test_bf16_inputs_reach_the_dots_in_bf16(kernel, platform):
   """bf16 q, k, v go into bf16 x bf16 dots (tensor-core / MXU rate, float32
   accumulation) in both schedules: q.k and w.v; the feature-map and state

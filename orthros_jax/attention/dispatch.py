@@ -173,19 +173,19 @@ def decode_impl(impl: str, *, head_dim: int, query_rows: int = 1) -> Callable:
                                 query_rows=query_rows)]
 
 
-def fresh_prompt_attention(impl: str, *, on_mesh: bool = False
-                           ) -> Callable | None:
+def fresh_prompt_attention(impl: str) -> Callable | None:
   """Causal attention over a prompt written into an empty cache, where a
   flash kernel beats reading the cache back: cuDNN's on GPU, the Pallas
   TPU flash kernel on one TPU device (`exact_attention`, which falls back
   to XLA where the kernel does not apply); None elsewhere (the CPU reads
-  the cache through `decode_impl`)."""
+  the cache through `decode_impl`). One device only: on a mesh the
+  backend reads the cache, which may be split by position."""
   if impl not in IMPLS:
     raise ValueError(f'attention.impl={impl!r} is unknown: expected one of '
                      f'{IMPLS}')
   if impl in ('none', 'xla') or _backend() not in ('gpu', 'tpu'):
     return None
-  return exact_attention(impl, on_mesh=on_mesh)
+  return exact_attention(impl)
 
 
 def tpu_flash_attention(q, k, v, *, causal: bool = True):

@@ -75,11 +75,6 @@ def load_models(config) -> tuple[dict, dict]:
   names = plan.models
   models, desc = {}, {}
   if 'teacher' in names:
-    if not plan.teacher:
-      raise ValueError("the 'teacher' row needs teacher= (the dense model "
-                       'as loaded: a Hugging Face directory or a train.py '
-                       "checkpoint); the 'dense' row is the converted "
-                       'weights with dense attention')
     teacher, t_params, t_where = teacher_model or load_dense(plan.teacher)
     models['teacher'] = (teacher, t_params, 'inference')
     desc['teacher'] = f'{t_where}: the teacher as loaded, dense attention'
@@ -90,10 +85,7 @@ def load_models(config) -> tuple[dict, dict]:
   models.update(rows)
   desc.update(rows_desc)
   if 'linear_trained' in names:
-    path = plan.linear_checkpoint
-    if not path:
-      raise ValueError("the 'linear_trained' row needs linear_checkpoint= (a "
-                       'convert.py workdir of the pure-linear recipe)')
+    path = plan.linear_checkpoint  # checked by plan.check_config
     lin, lin_params, lin_step = load_checkpoint(path)
     if lin.attention.window or lin.attention.sinks:
       raise ValueError(f'linear_checkpoint {path} has window '

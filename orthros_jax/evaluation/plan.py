@@ -1,8 +1,9 @@
 """An evaluation config parsed once, into typed values: `check_config`.
 
 eval.py hands its ml_collections config to `check_config`, which checks
-every key and value before any model loads and returns a frozen
-`SuitePlan`; the suite (evaluation/suite.py) and the row loader
+every key (and the values it can without loading: counts, lengths, rows,
+task names) before any model loads and returns a frozen `SuitePlan`; task
+options are checked by each task's generator when its cell runs; the suite (evaluation/suite.py) and the row loader
 (evaluation/loading.py) read only the plan. The config's fields
 (configs/eval_tiny.py, configs/eval_smollm2.py):
 
@@ -25,15 +26,22 @@ An empty section is skipped.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
 from orthros_jax.config import plain
+from orthros_jax.data import pipeline as data_pipeline
+from orthros_jax.evaluation import tasks as tasks_lib
 from orthros_jax.evaluation import variants
 
 DEFAULT_ROWS = ('teacher', 'orthros', 'linear')
+# The quality section's keys: make_dataset's arguments (the tokenizer is the
+# config's own).
+_DATASET_KEYS = set(inspect.signature(data_pipeline.make_dataset).parameters
+                    ) - {'tokenizer'}
 _TOP_KEYS = {'name', 'checkpoint', 'teacher', 'tokenizer', 'models', 'sinks',
              'exact_tail', 'linear_checkpoint', 'seed', 'progress', 'tasks',
              'quality', 'speed', 'lm_eval'}
@@ -75,6 +83,9 @@ class TaskSpec:
   def from_config(cls, task: str, cfg: Mapping[str, Any]) -> TaskSpec:
     cfg = dict(plain(cfg))
     where = f'tasks.{task}'
+    if task not in tasks_lib.TASKS:
+      raise ValueError(f'tasks: {task!r} is not a task; the tasks are '
+                       f'{sorted(tasks_lib.TASKS)}')
     if 'lengths' not in cfg:
       raise ValueError(f'{where} needs lengths')
     lengths = tuple(_positive(n, f'{where}.lengths')
@@ -148,10 +159,10 @@ class LmEvalSpec:
   limit 0: every example."""
   tasks: tuple[str, ...] = ()
   include_path: str = ''
-  num_fewshot: int | Mapping[str, int] = 0
+  num_fewshot: int | Mapping[str, int] = -1
   limit: int = 0
   max_length: int = 2048
-  batch_size: int = 8
+  batch_size: int = 1
   max_gen_toks: int = 256
   seed: int = 1234
 
@@ -159,9 +170,10 @@ class LmEvalSpec:
   def from_config(cls, cfg: Mapping[str, Any]) -> LmEvalSpec:
     cfg = dict(plain(cfg))
     _check_keys(cfg, _fields(cls), 'lm_eval')
-    shots = cfg.get('num_fewshot', 0)
+    shots = cfg.get('num_fewshot')
     shots = ({str(t): int(n) for t, n in shots.items()}
-             if isinstance(shots, Mapping) else int(shots))
+             if isinstance(shots, Mapping) else
+             -1 if shots is None else int(shots))
     return cls(tasks=tuple(str(t) for t in cfg.get('tasks') or ()),
                include_path=str(cfg.get('include_path') or ''),
                num_fewshot=shots, limit=int(cfg.get('limit') or 0),
@@ -222,15 +234,28 @@ def check_config(config: Mapping[str, Any] | SuitePlan) -> SuitePlan:
   quality = cfg.get('quality') or None
   if quality is not None:
     quality = dict(quality)
-    quality.setdefault('num_epochs', 1)
+    unknown = sorted(set(quality) - _DATASET_KEYS)
+    if unknown:
+      raise ValueError(f'quality has unknown keys {unknown}: it takes '
+                       f'make_dataset arguments {sorted(_DATASET_KEYS)}')
+  teacher = str(cfg.get('teacher') or '')
+  if 'teacher' in models and not teacher:
+    raise ValueError("the 'teacher' row needs teacher= (the dense model "
+                     'as loaded: a Hugging Face directory or a train.py '
+                     "checkpoint); the 'dense' row is the converted "
+                     'weights with dense attention')
+  linear_checkpoint = str(cfg.get('linear_checkpoint') or '')
+  if 'linear_trained' in models and not linear_checkpoint:
+    raise ValueError("the 'linear_trained' row needs linear_checkpoint= (a "
+                     'convert.py workdir of the pure-linear recipe)')
   speed = cfg.get('speed') or None
   lm_eval = cfg.get('lm_eval') or None
   return SuitePlan(
       checkpoint=str(cfg['checkpoint']),
-      teacher=str(cfg.get('teacher') or ''),
+      teacher=teacher,
       tokenizer=str(cfg.get('tokenizer') or 'byte'),
       models=models, sinks=sinks, exact_tail=tail,
-      linear_checkpoint=str(cfg.get('linear_checkpoint') or ''),
+      linear_checkpoint=linear_checkpoint,
       seed=int(cfg.get('seed') or 0),
       progress=bool(cfg.get('progress', True)),
       name=str(cfg.get('name') or ''),

@@ -122,8 +122,8 @@ class Partitioner:
         n = self.axis_size(ax)
         if n > 1 and size % n:
           log_once(f'{what}: dimension {i} ({logical[i]}, size {size}) is not '
-                    f'divisible by mesh axes {ax} ({n} devices); left '
-                    'unsharded')
+                   f'divisible by mesh axes {ax} ({n} devices); left '
+                   'unsharded')
           axes[i] = None
     return P(*axes)
 
