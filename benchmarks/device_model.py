@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import csv
 import dataclasses
 import importlib.util
@@ -234,34 +233,6 @@ def custom_calls(compiled) -> dict[str, int]:
   return dict(collections.Counter(found))
 
 
-@contextlib.contextmanager
-def _recording_ttft(sink: dict):
-  """speed.measure with every TTFT call's time and the compiled program's
-  custom calls recorded in `sink` (speed's own timing loop runs unchanged;
-  the wrapper only times each call it makes)."""
-  original = speed._time  # pylint: disable=protected-access
-
-  def timed(compiled, args, reps):
-    calls = []
-
-    def call(*a):
-      t0 = time.perf_counter()
-      out = jax.block_until_ready(compiled(*a))
-      calls.append(time.perf_counter() - t0)
-      return out
-
-    sink['custom_calls'] = custom_calls(compiled)
-    result = original(call, args, reps)
-    sink['times'] = calls[1:]  # the first call is the warm-up
-    return result
-
-  speed._time = timed  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    speed._time = original  # pylint: disable=protected-access
-
-
 def _measure_forward(cfg: ModelConfig, params, n: int, reps: int) -> dict:
   """dense_forward: phase='forward' of the whole prompt (cuDNN attention on
   GPU), argmax of the last position; TTFT only (decode is 'dense')."""
@@ -276,16 +247,17 @@ def _measure_forward(cfg: ModelConfig, params, n: int, reps: int) -> dict:
   t0 = time.perf_counter()
   compiled = jax.jit(ttft).lower(params, tokens).compile()
   compile_s = time.perf_counter() - t0
-  sink = {}
-  with _recording_ttft(sink):
-    res = speed._time(compiled, (params, tokens), reps)  # pylint: disable=protected-access
+  times = speed._interleaved(  # pylint: disable=protected-access
+      {'forward': lambda: jax.block_until_ready(compiled(params, tokens))},
+      reps)['forward']
+  median = float(np.median(times))
   return {'variant': 'dense_forward', 'length': n, 'batch': 1,
-          'ttft_s': res['median_s'], 'ttft_min_s': res['min_s'],
-          'ttft_max_s': max(sink['times']), 'ttft_times_s': sink['times'],
-          'prefill_tokens_per_s': n / res['median_s'],
+          'ttft_s': median, 'ttft_min_s': min(times),
+          'ttft_max_s': max(times), 'ttft_times_s': times,
+          'prefill_tokens_per_s': n / median,
           'prefill_memory_bytes': speed._memory_bytes(compiled),  # pylint: disable=protected-access
           'compile_s': compile_s, 'reps': reps,
-          'custom_calls': sink['custom_calls']}
+          'custom_calls': custom_calls(compiled)}
 
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
@@ -326,14 +298,12 @@ def measure_one(variant: str, configs: dict, params, n: int,
     row = _measure_forward(impl_cfg, params, n, reps)
   else:
     sink = {}
-    with _recording_ttft(sink):
-      (row,) = speed.measure(
-          cfg, params, [n], variants=(
-              'orthros' if variant == 'orthros_sinks4' else variant,),
-          reps=reps)
-    row.update(variant=variant, ttft_max_s=max(sink['times']),
-               ttft_times_s=sink['times'],
-               custom_calls=sink['custom_calls'])
+    (row,) = speed.measure(
+        cfg, params, [n], variants=(
+            'orthros' if variant == 'orthros_sinks4' else variant,),
+        reps=reps, on_compiled=lambda _, c: sink.update(
+            custom_calls=custom_calls(c)))
+    row.update(variant=variant, custom_calls=sink['custom_calls'])
   row.update(implementations(variant, impl_cfg, n), status='ok',
              sinks=impl_cfg.attention.sinks if impl_cfg.is_orthros else None,
              wall_s=time.perf_counter() - t0,

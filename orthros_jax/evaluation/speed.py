@@ -4,7 +4,8 @@ length, for the same model shape with dense, Orthros and no attention.
   ttft(N)       prefill of an N-token prompt (Orthros: N - exact_tail tokens
                 through the hybrid prefill, the tail through exact decode)
                 plus the first token's argmax: compiled once, then the
-                median of `reps` timed runs.
+                median of `reps` timed runs, interleaved with the other
+                variants' runs at the same length.
   decode(N)     one decode step of `batch` sequences over a cache holding N
                 tokens (exact attention over the whole cache, so dense and
                 Orthros decode alike): median step time, tokens/s = batch /
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,15 +53,20 @@ def variant_config(config: ModelConfig, variant: str) -> ModelConfig:
                    f'{VARIANTS}')
 
 
-def _time(compiled: Callable, args, reps: int) -> dict:
-  jax.block_until_ready(compiled(*args))  # warm-up
-  times = []
+def _interleaved(calls: dict[str, Callable[[], Any]], reps: int
+                 ) -> dict[str, list[float]]:
+  """Seconds of each call, `reps` rounds in which every call runs once in
+  turn (so a slow spell of the machine hits every variant alike), after
+  one untimed warm-up of each."""
+  for call in calls.values():
+    call()
+  times: dict[str, list[float]] = {name: [] for name in calls}
   for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t0)
-  return {'median_s': float(np.median(times)), 'min_s': float(min(times)),
-          'reps': reps}
+    for name, call in calls.items():
+      t0 = time.perf_counter()
+      call()
+      times[name].append(time.perf_counter() - t0)
+  return times
 
 
 def _memory_bytes(compiled) -> int | None:
@@ -109,56 +116,71 @@ def _decode_fn(config: ModelConfig) -> Callable:
 def measure(config: ModelConfig, params, lengths: Sequence[int], *,
             variants: Sequence[str] = VARIANTS, batch: int = 1,
             decode_batch: int = 1, reps: int = 3, seed: int = 0,
-            progress: Callable[[str], None] | None = None) -> list[dict]:
-  """One row per (variant, length): ttft_s, prefill_tokens_per_s,
+            progress: Callable[[str], None] | None = None,
+            on_compiled: Callable[[str, Any], None] | None = None
+            ) -> list[dict]:
+  """One row per (variant, length): ttft_s (median), ttft_min_s,
+  ttft_max_s, ttft_times_s (every timed call), prefill_tokens_per_s,
   decode_step_s, decode_tokens_per_s, prefill_memory_bytes, compile_s.
+  `on_compiled(variant, compiled)` sees each compiled prefill program.
 
-  `params` must fit the Orthros config (dense and none ignore the feature
-  maps). Prompts are random token ids: speed does not depend on them.
+  At each length every variant is compiled first, then timed in
+  interleaved rounds (`reps` rounds of one call per variant, for the
+  prefill and then for the decode step), so the ratios compare calls made
+  side by side. `params` must fit the Orthros config (dense and none
+  ignore the feature maps). Prompts are random token ids (the same for
+  every variant): speed does not depend on them.
   """
+  if reps < 1:
+    raise ValueError(f'reps={reps} must be >= 1')
   rows = []
   rng = np.random.default_rng(seed)
-  for variant in variants:
-    cfg = variant_config(config, variant)
-    for n in lengths:
+  for n in lengths:
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, n)),
+                         jnp.int32)
+    prefill, decode, found = {}, {}, {}
+    for variant in variants:
       if progress:
         progress(f'{variant} N={n}')
-      tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, n)),
-                           jnp.int32)
+      cfg = variant_config(config, variant)
       t0 = time.perf_counter()
       compiled = jax.jit(_ttft_fn(cfg, batch, n)).lower(params,
                                                        tokens).compile()
-      compile_s = time.perf_counter() - t0
-      ttft = _time(compiled, (params, tokens), reps)
-      row = {'variant': variant, 'length': n, 'batch': batch,
-             'ttft_s': ttft['median_s'], 'ttft_min_s': ttft['min_s'],
-             'prefill_tokens_per_s': batch * n / ttft['median_s'],
-             'prefill_memory_bytes': _memory_bytes(compiled),
-             'compile_s': compile_s, 'reps': reps}
+      found[variant] = {'compile_s': time.perf_counter() - t0,
+                        'prefill_memory_bytes': _memory_bytes(compiled)}
+      if on_compiled:
+        on_compiled(variant, compiled)
+      prefill[variant] = (lambda c=compiled: jax.block_until_ready(
+          c(params, tokens)))
       # Decode: a cache holding n tokens (its contents do not change the
       # cost), one new token per sequence per step, the cache donated from
-      # step to step as in `generate`.
-      cache = init_cache(cfg, decode_batch, n + reps + 2)
-      cache = tuple(c.replace(lengths=jnp.full((decode_batch,), n, jnp.int32))
-                    for c in cache)
-      token = jnp.zeros((decode_batch, 1), jnp.int32)
-      step = jax.jit(_decode_fn(cfg), donate_argnums=2)
-      # Two warm-ups: the second call's cache is the committed output of the
-      # first, which jit compiles for separately.
-      for _ in range(2):
-        token, cache = jax.block_until_ready(step(params, token, cache))
-        token = token[:, None]
-      times = []
-      for _ in range(reps):
-        t0 = time.perf_counter()
-        token, cache = jax.block_until_ready(step(params, token, cache))
-        token = token[:, None]
-        times.append(time.perf_counter() - t0)
-      del cache
-      dec = float(np.median(times))
-      row.update(decode_batch=decode_batch, decode_step_s=dec,
-                 decode_tokens_per_s=decode_batch / dec)
-      rows.append(row)
+      # step to step as in `generate`; the warm-up steps compile the step
+      # for the committed cache it returns.
+      state = {'cache': tuple(
+          c.replace(lengths=jnp.full((decode_batch,), n, jnp.int32))
+          for c in init_cache(cfg, decode_batch, n + reps + 3)),
+               'token': jnp.zeros((decode_batch, 1), jnp.int32),
+               'step': jax.jit(_decode_fn(cfg), donate_argnums=2)}
+
+      def one_step(state=state):
+        token, state['cache'] = jax.block_until_ready(
+            state['step'](params, state['token'], state['cache']))
+        state['token'] = token[:, None]
+      one_step()
+      decode[variant] = one_step
+    ttft = _interleaved(prefill, reps)
+    steps = _interleaved(decode, reps)
+    del prefill, decode
+    for variant in variants:
+      med, dec = float(np.median(ttft[variant])), float(np.median(
+          steps[variant]))
+      rows.append(dict(
+          variant=variant, length=n, batch=batch, ttft_s=med,
+          ttft_min_s=float(min(ttft[variant])),
+          ttft_max_s=float(max(ttft[variant])), ttft_times_s=ttft[variant],
+          prefill_tokens_per_s=batch * n / med, reps=reps,
+          decode_batch=decode_batch, decode_step_s=dec,
+          decode_tokens_per_s=decode_batch / dec, **found[variant]))
   return rows
 
 
