@@ -113,11 +113,18 @@ def test_run_task_scores_generated_text(monkeypatch):
 
 def test_speed_rows_and_variants():
   params = _init(ORTHROS, jax.random.PRNGKey(0))
-  rows = speed.measure(ORTHROS, params, [16, 40], reps=1)
+  seen = []
+  rows = speed.measure(ORTHROS, params, [16, 40], reps=2,
+                       on_compiled=lambda v, c: seen.append(v))
+  # Length-major: every variant is compiled and timed at a length before
+  # the next length (interleaved rounds).
   assert [(r['variant'], r['length']) for r in rows] == [
-      (v, n) for v in speed.VARIANTS for n in (16, 40)]
+      (v, n) for n in (16, 40) for v in speed.VARIANTS]
+  assert seen == list(speed.VARIANTS) * 2
   for r in rows:
     assert r['ttft_s'] > 0 and r['decode_tokens_per_s'] > 0
+    assert len(r['ttft_times_s']) == r['reps'] == 2
+    assert r['ttft_min_s'] <= r['ttft_s'] <= r['ttft_max_s']
     assert r['prefill_tokens_per_s'] == pytest.approx(r['length'] /
                                                       r['ttft_s'])
   ratios = speed.ratios(rows)
