@@ -85,8 +85,10 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # a 2048-token prefix (through the inference path, and teacher-forced).
   c.quality = dict(source='text', paths=f'{CORPUS}/heldout.jsonl',
                    seq_len=4096, batch_size=1, seed=5)
+  # decode_steps: decode steps per timed call (0: the Orthros chunk size,
+  # so that every call holds one fold of the linear state).
   c.speed = dict(lengths=(1024, 2048, 4096, 8192), batch=1, decode_batch=1,
-                 reps=3)
+                 reps=3, decode_steps=0)
   # lm-evaluation-harness tasks (orthros_jax/evaluation/lm_harness.py); runs
   # only when tasks is not empty. num_fewshot: one count or {task: count};
   # < 0: each task's default;

@@ -66,7 +66,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   if arg == 'speed':
     lengths = (512, 1024, 2048, 4096, 8192, 16384)
   c.speed = dict(lengths=lengths, batch=1, decode_batch=1,
-                 reps=1 if smoke else 3)
+                 reps=1 if smoke else 3, decode_steps=0)
   if arg == 'retrieval':
     c.speed = {}
   return c

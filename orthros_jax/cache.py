@@ -4,8 +4,15 @@ Shapes (B batch, S max_len, K kv heads, H query heads, D head dim, F feature
 dim; F = 0 for dense attention):
   k, v     [B, S, K, D]  post-RoPE keys and values, valid at j < lengths[b]
   lengths  [B] int32     tokens held per example
-  S        [B, H, F, D]  float32 linear state of tokens j < lengths - window
+  S        [B, H, F, D]  float32 linear state of the tokens j < folded
+                         (sinks excepted: they stay exact)
   z        [B, H, F]     float32 normaliser of the same tokens
+  folded   [B] int32     tokens accounted for in (S, z); after a prefill
+                         max(lengths - window, 0), after decode steps up to
+                         a chunk behind it: decode attends exactly and never
+                         reads the state, so it folds the tokens leaving the
+                         window a chunk at a time and the next prefill
+                         folds the rest first (docs/ARCHITECTURE.md, 2).
 The cache is passed into the model and returned updated (no mutable
 collections), so prefill and decode are pure functions that can donate it.
 """
@@ -28,6 +35,7 @@ class LayerCache:
   lengths: Array
   S: Array
   z: Array
+  folded: Array
 
   @property
   def max_len(self) -> int:
@@ -58,7 +66,8 @@ def init_cache(config: ModelConfig, batch: int, max_len: int,
         k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype),
         lengths=jnp.zeros((batch,), jnp.int32),
         S=jnp.zeros((batch, h, f, d), jnp.float32),
-        z=jnp.zeros((batch, h, f), jnp.float32))
+        z=jnp.zeros((batch, h, f), jnp.float32),
+        folded=jnp.zeros((batch,), jnp.int32))
 
   return tuple(layer() for _ in range(config.num_layers))
 

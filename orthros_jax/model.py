@@ -10,8 +10,10 @@ phase='prefill'  a right-padded prompt (optionally continuing a cache):
                  Orthros hybrid attention (dense: exact), writes K/V and the
                  linear state into the cache.
 phase='decode'   T_q >= 1 new tokens with exact attention over the cache;
-                 appends them and folds the tokens leaving the window into the
-                 linear state.
+                 appends them. Decode never reads the linear state, so the
+                 tokens leaving the window are folded into it a chunk at a
+                 time (`LayerCache.folded` says how far), and a continued
+                 prefill folds the rest first.
 Parameters and activations carry logical axis names (batch, length, embed,
 heads, kv_heads, head_dim, mlp, vocab, features) for sharding rules. The
 `backend` field (attention/backend.py) says which functions compute the
@@ -284,13 +286,37 @@ class Attention(nn.Module):
     # Context parallel on a mesh with a sequence axis (None: the ordinary
     # path, also for a prompt too short to give every shard a window).
     fn = backend.context_parallel_prefill(t, b) or backend.prefill(b)
+    # The state must hold every token before the W-token prefix: fold what
+    # decode steps left (none after a prefill; under a chunk after decode
+    # steps; the whole cache is read only for a cache built otherwise).
+    upto = jnp.maximum(start - a.window, 0)
+    behind = jnp.max(upto - cache.folded)
+    initial, _ = nn.switch(
+        jnp.where(behind <= 0, 0, jnp.where(behind <= a.chunk_size, 1, 2)),
+        [lambda mdl, *args: (attn_lib.LinearState(cache.S, cache.z),
+                             cache.folded),
+         functools.partial(Attention._fold_behind, n=a.chunk_size),
+         functools.partial(Attention._fold_behind, n=cache.max_len)],
+        self, k_cache, v_cache, cache, upto)
     y, state = fn(
         q, k, v, phi_q, phi_k, gamma, window=a.window,
-        chunk_size=a.chunk_size, lengths=lengths,
-        initial_state=attn_lib.LinearState(cache.S, cache.z), prefix=prefix,
-        **extra)
+        chunk_size=a.chunk_size, lengths=lengths, initial_state=initial,
+        prefix=prefix, **extra)
     return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths,
-                            S=state.S, z=state.z)
+                            S=state.S, z=state.z,
+                            folded=jnp.maximum(new_lengths - a.window, 0))
+
+  def _fold_behind(self, k_cache, v_cache, cache: cache_lib.LayerCache,
+                   upto, *, n: int):
+    """Folds the cached tokens cache.folded <= j < upto (sinks excepted:
+    they stay exact), at most n per example, into (cache.S, cache.z).
+    Returns the state and how far it now reaches."""
+    pos = cache.folded[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    fk, fv = cache_lib.gather_kv(k_cache, v_cache, pos)
+    state = attn_lib.fold_into_state(
+        attn_lib.LinearState(cache.S, cache.z), self.key_features(fk), fv,
+        (pos < upto[:, None]) & (pos >= self.config.attention.sinks))
+    return state, jnp.clip(cache.folded + n, cache.folded, upto)
 
   def _decode(self, q, k, v, cache: cache_lib.LayerCache, lengths):
     cfg = self.config
@@ -305,15 +331,20 @@ class Attention(nn.Module):
                                             cache.lengths + t)
     new_cache = cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
     if cfg.is_orthros:
-      # Tokens at old_len - W + i leave the window; fold them into (S, z)
-      # (sinks never: they stay exact).
-      w = cfg.attention.window
-      pos = cache.lengths[:, None] - w + jnp.arange(t)[None, :]
-      fk, fv = cache_lib.gather_kv(k_cache, v_cache, pos)
-      state = attn_lib.fold_into_state(
-          attn_lib.LinearState(cache.S, cache.z), self.key_features(fk), fv,
-          (pos >= cfg.attention.sinks) & valid)
-      new_cache = new_cache.replace(S=state.S, z=state.z)
+      # The tokens leaving the window go into (S, z) a chunk at a time:
+      # an example folds once it is a chunk behind (each example by its own
+      # count, so its state never depends on its neighbours), reading and
+      # writing the F x D state once per chunk instead of once per token.
+      a = cfg.attention
+      upto = jnp.maximum(new_lengths - a.window, 0)
+      due = upto - cache.folded >= a.chunk_size
+      state, folded = nn.cond(
+          jnp.any(due),
+          functools.partial(Attention._fold_behind, n=a.chunk_size + t - 1),
+          lambda mdl, *args: (attn_lib.LinearState(cache.S, cache.z),
+                              cache.folded),
+          self, k_cache, v_cache, cache, jnp.where(due, upto, cache.folded))
+      new_cache = new_cache.replace(S=state.S, z=state.z, folded=folded)
     return y, new_cache
 
 

@@ -210,6 +210,42 @@ def test_device_model_tiny_writes_rows_for_every_variant(tmp_path):
     assert len(f.read().strip().splitlines()) == 1 + len(rows)
 
 
+def test_decode_speed_tiny_writes_both_variants(tmp_path):
+  """benchmarks/decode_speed.py at tiny size: a row per variant and length,
+  each the median of its reps' per-step times over `steps` decode steps, the
+  ratio row per length, the CSV, the report table and the plot; no speed
+  ordering is asserted."""
+  cmd = [sys.executable, 'benchmarks/decode_speed.py', '--tiny', '--lengths',
+         '40,17', '--reps', '3', '--steps', '5', '--out', str(tmp_path)]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / 'decode_speed.json') as f:
+    result = json.load(f)
+  assert result['machine']['backend'] == 'cpu'
+  assert result['machine']['copy_bytes_per_s'] > 0
+  assert result['machine']['config']['state_dim'] == 16
+  rows = {(r['variant'], r['length']): r for r in result['rows']}
+  assert set(rows) == {(v, n) for v in ('dense', 'orthros') for n in (40, 17)}
+  for r in rows.values():
+    assert r['decode_steps'] == 5 and len(r['decode_times_s']) == 3
+    assert 0 < r['decode_step_min_s'] <= r['decode_step_s']
+    assert r['decode_step_s'] <= r['decode_step_max_s']
+    assert r['decode_tokens_per_s'] == pytest.approx(1 / r['decode_step_s'])
+    assert r['bytes_per_step'] > 0 and r['frac_copy_bandwidth'] > 0
+  # Orthros reads its share of the folds' state traffic on top of dense's.
+  assert rows['orthros', 40]['bytes_per_step'] > rows['dense', 40][
+      'bytes_per_step'] > rows['dense', 17]['bytes_per_step']
+  assert [r['length'] for r in result['ratios']] == [40, 17]
+  with open(tmp_path / 'decode_speed.csv') as f:
+    assert len(f.read().strip().splitlines()) == 1 + 4
+  report = (tmp_path / 'report.md').read_text()
+  assert '| 40 |' in report and '| 17 |' in report
+  assert (tmp_path / 'decode_speed.png').stat().st_size > 0
+  with pytest.raises(SystemExit):
+    _load('decode_speed').main(['--lengths', '0'])
+
+
 def test_device_model_time_box_and_recipe(tmp_path):
   """Lengths run shortest, longest, then the rest; a measurement that cannot
   fit is skipped with the reason; the attention is configs/convert_smollm2's."""

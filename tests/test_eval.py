@@ -114,7 +114,7 @@ def test_run_task_scores_generated_text(monkeypatch):
 def test_speed_rows_and_variants():
   params = _init(ORTHROS, jax.random.PRNGKey(0))
   seen = []
-  rows = speed.measure(ORTHROS, params, [16, 40], reps=2,
+  rows = speed.measure(ORTHROS, params, [16, 40], reps=2, decode_steps=3,
                        on_compiled=lambda v, c: seen.append(v))
   # Length-major: every variant is compiled and timed at a length before
   # the next length (interleaved rounds).
@@ -127,6 +127,22 @@ def test_speed_rows_and_variants():
     assert r['ttft_min_s'] <= r['ttft_s'] <= r['ttft_max_s']
     assert r['prefill_tokens_per_s'] == pytest.approx(r['length'] /
                                                       r['ttft_s'])
+    assert r['decode_steps'] == 3
+    assert r['decode_step_min_s'] <= r['decode_step_s'] <= r[
+        'decode_step_max_s']
+  # Decode alone: every timed call runs a chunk of steps by default (one
+  # Orthros fold per call), interleaved like measure's.
+  decode_rows = speed.measure_decode(ORTHROS, params, [20], reps=3)
+  assert [r['variant'] for r in decode_rows] == ['dense', 'orthros']
+  for r in decode_rows:
+    assert r['decode_steps'] == ORTHROS.attention.chunk_size
+    assert len(r['decode_times_s']) == 3
+    assert r['decode_step_s'] == pytest.approx(
+        np.median(r['decode_times_s']) / r['decode_steps'])
+    assert r['decode_tokens_per_s'] == pytest.approx(1 / r['decode_step_s'])
+  for bad in (0, 2.5):
+    with pytest.raises(ValueError, match='decode_steps'):
+      speed.measure_decode(ORTHROS, params, [20], steps=bad)
   ratios = speed.ratios(rows)
   assert [r['length'] for r in ratios] == [16, 40]
   assert all(r['dense_over_orthros_ttft'] > 0 for r in ratios)
@@ -299,6 +315,7 @@ def test_eval_config_parsed_once_into_a_plan():
   for section, value, match in (
       ('speed', dict(lengths=(64,), rep=3), r"speed has unknown keys \['rep'"),
       ('speed', dict(lengths=(0,)), 'speed.lengths=0'),
+      ('speed', dict(lengths=(64,), decode_steps=-1), 'speed.decode_steps'),
       ('tasks', dict(passkey=dict(depths=(0.5,))), 'needs lengths'),
       ('tasks', dict(passkey=dict(lengths=(64, 96), num_examples=(2,))),
        'one per length'),

@@ -176,33 +176,100 @@ def test_prefill_in_two_pieces_equals_one(kind, sinks):
                                  rtol=1e-5)
 
 
+def _assert_state_is_sums(config, params, layer, b, lo, hi):
+  """(S, z) of example b are the section 3 sums over its cached keys and
+  values lo <= j < hi (float64 reference)."""
+  i, layer = layer
+  w = params[f'layers_{i}']['attn']['phi_k']['proj']
+  g = config.num_groups
+  k = np.repeat(np.asarray(layer.k[b, lo:hi]), g, axis=1)  # [N, H, D]
+  phi = np.asarray(feature_maps.feature_map(config.attention.feature_map, k,
+                                            w), np.float64)
+  v = np.repeat(np.asarray(layer.v[b, lo:hi], np.float64), g, axis=1)
+  np.testing.assert_allclose(layer.S[b], np.einsum('nhf,nhd->hfd', phi, v),
+                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(layer.z[b], phi.sum(0), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize('window,sinks', [(0, 0), (3, 0), (8, 0), (3, 2)])
 def test_linear_state_matches_sums_over_cached_keys(window, sinks):
-  """After prefill + decode, (S, z) are the section 3 sums over the cached
-  keys older than the window (sinks excluded), so a next-turn prefill
-  continues exactly."""
-  config = make_config(window=window, sinks=sinks)
+  """After a prefill (S, z) are the section 3 sums over the cached keys
+  older than the window (sinks excluded); decode steps fold the tokens
+  leaving the window a chunk at a time (each example by its own count,
+  never more than a chunk behind), and a next-turn prefill folds the rest
+  first, so it continues exactly."""
+  config = make_config(window=window, sinks=sinks)  # chunk 4
   params = init_params(config)
-  x = random_tokens(6, (2, 16))
+  chunk = config.attention.chunk_size
+  x = random_tokens(6, (2, 21))
   cache = oj.init_cache(config, 2, 24)
   _, cache = run(config, params, x[:, :10], phase='prefill', cache=cache,
                  lengths=jnp.array([10, 4]))
-  _, cache = run(config, params, x[:, 10:12], phase='decode', cache=cache)
-  _, cache = run(config, params, x[:, 12:13], phase='decode', cache=cache)
-  g = config.num_groups
-  for i, layer in enumerate(cache):
-    w = params[f'layers_{i}']['attn']['phi_k']['proj']
-    for b in range(2):
-      n = int(layer.lengths[b])
-      assert n == [13, 7][b]
-      old = max(n - window, 0)
-      k = np.repeat(np.asarray(layer.k[b, sinks:old]), g, axis=1)  # [N,H,D]
-      phi = np.asarray(feature_maps.feature_map('hedgehog', k, w),
-                       np.float64)
-      v = np.repeat(np.asarray(layer.v[b, sinks:old], np.float64), g, axis=1)
-      s_ref = np.einsum('nhf,nhd->hfd', phi, v)
-      np.testing.assert_allclose(layer.S[b], s_ref, atol=1e-5, rtol=1e-5)
-      np.testing.assert_allclose(layer.z[b], phi.sum(0), atol=1e-5, rtol=1e-5)
+  steps = [(10, 12), (12, 13), (13, 14), (14, 15), (15, 16), (16, 17),
+           (17, 19)]
+  behind = set()
+  for lo, hi in [(None, None)] + steps + [('prefill', 19)]:
+    if lo == 'prefill':
+      _, cache = run(config, params, x[:, hi:hi + 2], phase='prefill',
+                     cache=cache)
+    elif lo is not None:
+      _, cache = run(config, params, x[:, lo:hi], phase='decode', cache=cache)
+    for i, layer in enumerate(cache):
+      for b in range(2):
+        n, folded = int(layer.lengths[b]), int(layer.folded[b])
+        old = max(n - window, 0)
+        if lo in (None, 'prefill'):
+          assert folded == old
+        assert old - chunk < folded <= old
+        behind.add(old - folded)
+        _assert_state_is_sums(config, params, (i, layer), b,
+                              min(sinks, folded), folded)
+    n = int(cache[0].lengths[0])
+  assert n == 21 and int(cache[0].lengths[1]) == 15
+  # The decode steps left the state behind and caught up (one and two new
+  # tokens a step).
+  assert max(behind) > 0 and 0 in behind
+
+
+def test_continued_prefill_after_decode_folds_what_decode_left():
+  """A prefill after decode steps equals one over the same cache with the
+  state rebuilt from every cached key (the whole-cache fold, for a cache
+  built by hand), and layer 0 (whose inputs are the embeddings) equals one
+  prefill of all the tokens."""
+  config = make_config(window=3, sinks=1)  # chunk 4
+  params = init_params(config)
+  x = random_tokens(8, (2, 24))
+  cache = oj.init_cache(config, 2, 28)
+  _, cache = run(config, params, x[:, :7], phase='prefill', cache=cache,
+                 lengths=jnp.array([7, 5]))
+  for t in range(7, 16):
+    _, cache = run(config, params, x[:, t:t + 1], phase='decode', cache=cache)
+  assert (np.asarray(cache[0].lengths) == [16, 14]).all()
+  behind = np.asarray(cache[0].lengths) - 3 - np.asarray(cache[0].folded)
+  assert (behind > 0).all() and (behind < 4).all()
+  rebuilt = tuple(c.replace(S=jnp.zeros_like(c.S), z=jnp.zeros_like(c.z),
+                            folded=jnp.zeros_like(c.folded)) for c in cache)
+  more = x[:, 16:22]
+  got, cache = run(config, params, more, phase='prefill', cache=cache,
+                   all_logits=True)
+  want, rebuilt = run(config, params, more, phase='prefill', cache=rebuilt,
+                      all_logits=True)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+  for a, b in zip(cache, rebuilt):
+    np.testing.assert_array_equal(a.folded, b.folded)
+    np.testing.assert_allclose(a.S, b.S, atol=2e-5, rtol=1e-5)
+  for b, n0 in enumerate((7, 5)):
+    ids = np.concatenate([np.asarray(x[b, :n0]), np.asarray(x[b, 7:22])])
+    one = oj.init_cache(config, 1, 28)
+    _, one = run(config, params, jnp.asarray(ids)[None], phase='prefill',
+                 cache=one)
+    n = len(ids)
+    assert int(cache[0].lengths[b]) == n and int(cache[0].folded[b]) == n - 3
+    np.testing.assert_allclose(cache[0].k[b, :n], one[0].k[0, :n], atol=2e-6)
+    np.testing.assert_allclose(cache[0].S[b], one[0].S[0], atol=2e-5,
+                               rtol=1e-5)
+    np.testing.assert_allclose(cache[0].z[b], one[0].z[0], atol=2e-5,
+                               rtol=1e-5)
 
 
 def test_bfloat16_model_runs_and_keeps_float32_state():

@@ -135,11 +135,13 @@ def task_specs(cfg: Mapping[str, Any] | Sequence[TaskSpec] | None
 @dataclasses.dataclass(frozen=True)
 class SpeedSpec:
   """Time to first token and decode speed at each prompt length (median of
-  `reps`), batch `batch` for prefill and `decode_batch` for decode."""
+  `reps`), batch `batch` for prefill and `decode_batch` for decode, each
+  timed decode call `decode_steps` steps (0: the Orthros chunk size)."""
   lengths: tuple[int, ...]
   batch: int = 1
   decode_batch: int = 1
   reps: int = 3
+  decode_steps: int = 0
 
   @classmethod
   def from_config(cls, cfg: Mapping[str, Any]) -> SpeedSpec:
@@ -147,7 +149,11 @@ class SpeedSpec:
     _check_keys(cfg, _fields(cls), 'speed')
     if not cfg.get('lengths'):
       raise ValueError('speed.lengths is empty')
+    steps = cfg.pop('decode_steps', 0)
+    if steps != 0:
+      _positive(steps, 'speed.decode_steps')
     return cls(tuple(_positive(n, 'speed.lengths') for n in cfg['lengths']),
+               decode_steps=steps,
                **{k: _positive(cfg[k], f'speed.{k}')
                   for k in ('batch', 'decode_batch', 'reps') if k in cfg})
 

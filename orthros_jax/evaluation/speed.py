@@ -6,10 +6,13 @@ length, for the same model shape with dense, Orthros and no attention.
                 plus the first token's argmax: compiled once, then the
                 median of `reps` timed runs, interleaved with the other
                 variants' runs at the same length.
-  decode(N)     one decode step of `batch` sequences over a cache holding N
-                tokens (exact attention over the whole cache, so dense and
-                Orthros decode alike): median step time, tokens/s = batch /
-                step time.
+  decode(N)     decode steps of `decode_batch` sequences over a cache
+                holding N tokens (exact attention over the whole cache for
+                every variant; Orthros also folds the tokens leaving its
+                window into (S, z), a chunk at a time): each timed call runs
+                `decode_steps` steps (default the Orthros chunk size, so
+                every call holds exactly one fold), step time = the median
+                call / decode_steps, tokens/s = decode_batch / step time.
   memory        XLA's compiled memory analysis of the prefill (arguments +
                 outputs + temporaries, bytes): a per-program peak estimate
                 that exists on every backend (CPU has no live memory stats).
@@ -113,26 +116,71 @@ def _decode_fn(config: ModelConfig) -> Callable:
   return step
 
 
+def _decode_call(config: ModelConfig, params, n: int, batch: int,
+                 steps: int, reps: int) -> Callable[[], None]:
+  """A call that runs `steps` decode steps of `batch` sequences over a cache
+  holding n tokens (its contents do not change the cost; its linear state
+  as a prefill leaves it), one new token per sequence per step, the cache
+  donated from step to step as in `generate`. Compiled by a first step
+  here, so the call runs the program compiled for the committed cache it
+  returns."""
+  folded = max(n - config.attention.window, 0) if config.is_orthros else 0
+  state = {'cache': tuple(
+      c.replace(lengths=jnp.full((batch,), n, jnp.int32),
+                folded=jnp.full((batch,), folded, jnp.int32))
+      for c in init_cache(config, batch, n + 2 + (reps + 1) * steps)),
+           'token': jnp.zeros((batch, 1), jnp.int32),
+           'step': jax.jit(_decode_fn(config), donate_argnums=2)}
+
+  def run(k: int) -> None:
+    token, cache = state['token'], state['cache']
+    for _ in range(k):
+      token, cache = state['step'](params, token, cache)
+      token = token[:, None]
+    state['token'], state['cache'] = jax.block_until_ready((token, cache))
+
+  run(1)
+  return lambda: run(steps)
+
+
+def _default_steps(config: ModelConfig, steps: int | None) -> int:
+  steps = config.attention.chunk_size if steps is None else steps
+  if not isinstance(steps, int) or steps < 1:
+    raise ValueError(f'decode_steps={steps!r} must be an integer >= 1')
+  return steps
+
+
+def _decode_row(batch: int, steps: int, times: list[float]) -> dict:
+  step = float(np.median(times)) / steps
+  return dict(decode_batch=batch, decode_steps=steps, decode_step_s=step,
+              decode_step_min_s=min(times) / steps,
+              decode_step_max_s=max(times) / steps,
+              decode_tokens_per_s=batch / step)
+
+
 def measure(config: ModelConfig, params, lengths: Sequence[int], *,
             variants: Sequence[str] = VARIANTS, batch: int = 1,
-            decode_batch: int = 1, reps: int = 3, seed: int = 0,
+            decode_batch: int = 1, decode_steps: int | None = None,
+            reps: int = 3, seed: int = 0,
             progress: Callable[[str], None] | None = None,
             on_compiled: Callable[[str, Any], None] | None = None
             ) -> list[dict]:
   """One row per (variant, length): ttft_s (median), ttft_min_s,
   ttft_max_s, ttft_times_s (every timed call), prefill_tokens_per_s,
-  decode_step_s, decode_tokens_per_s, prefill_memory_bytes, compile_s.
+  decode_step_s (median, with min and max), decode_tokens_per_s,
+  decode_steps, prefill_memory_bytes, compile_s.
   `on_compiled(variant, compiled)` sees each compiled prefill program.
 
   At each length every variant is compiled first, then timed in
   interleaved rounds (`reps` rounds of one call per variant, for the
-  prefill and then for the decode step), so the ratios compare calls made
-  side by side. `params` must fit the Orthros config (dense and none
-  ignore the feature maps). Prompts are random token ids (the same for
+  prefill and then for `decode_steps` decode steps), so the ratios compare
+  calls made side by side. `params` must fit the Orthros config (dense and
+  none ignore the feature maps). Prompts are random token ids (the same for
   every variant): speed does not depend on them.
   """
   if reps < 1:
     raise ValueError(f'reps={reps} must be >= 1')
+  steps = _default_steps(config, decode_steps)
   rows = []
   rng = np.random.default_rng(seed)
   for n in lengths:
@@ -152,35 +200,48 @@ def measure(config: ModelConfig, params, lengths: Sequence[int], *,
         on_compiled(variant, compiled)
       prefill[variant] = (lambda c=compiled: jax.block_until_ready(
           c(params, tokens)))
-      # Decode: a cache holding n tokens (its contents do not change the
-      # cost), one new token per sequence per step, the cache donated from
-      # step to step as in `generate`; the warm-up steps compile the step
-      # for the committed cache it returns.
-      state = {'cache': tuple(
-          c.replace(lengths=jnp.full((decode_batch,), n, jnp.int32))
-          for c in init_cache(cfg, decode_batch, n + reps + 3)),
-               'token': jnp.zeros((decode_batch, 1), jnp.int32),
-               'step': jax.jit(_decode_fn(cfg), donate_argnums=2)}
-
-      def one_step(state=state):
-        token, state['cache'] = jax.block_until_ready(
-            state['step'](params, state['token'], state['cache']))
-        state['token'] = token[:, None]
-      one_step()
-      decode[variant] = one_step
+      decode[variant] = _decode_call(cfg, params, n, decode_batch, steps,
+                                     reps)
     ttft = _interleaved(prefill, reps)
-    steps = _interleaved(decode, reps)
+    calls = _interleaved(decode, reps)
     del prefill, decode
     for variant in variants:
-      med, dec = float(np.median(ttft[variant])), float(np.median(
-          steps[variant]))
+      med = float(np.median(ttft[variant]))
       rows.append(dict(
           variant=variant, length=n, batch=batch, ttft_s=med,
           ttft_min_s=float(min(ttft[variant])),
           ttft_max_s=float(max(ttft[variant])), ttft_times_s=ttft[variant],
           prefill_tokens_per_s=batch * n / med, reps=reps,
-          decode_batch=decode_batch, decode_step_s=dec,
-          decode_tokens_per_s=decode_batch / dec, **found[variant]))
+          **_decode_row(decode_batch, steps, calls[variant]),
+          **found[variant]))
+  return rows
+
+
+def measure_decode(config: ModelConfig, params, lengths: Sequence[int], *,
+                   variants: Sequence[str] = ('dense', 'orthros'),
+                   batch: int = 1, steps: int | None = None, reps: int = 3,
+                   progress: Callable[[str], None] | None = None
+                   ) -> list[dict]:
+  """Decode alone, as `measure` times it: one row per (variant, length)
+  with decode_step_s (median of `reps` interleaved calls of `steps` steps,
+  min and max), decode_tokens_per_s, decode_times_s (every timed call)."""
+  if reps < 1:
+    raise ValueError(f'reps={reps} must be >= 1')
+  steps = _default_steps(config, steps)
+  rows = []
+  for n in lengths:
+    calls = {}
+    for variant in variants:
+      if progress:
+        progress(f'{variant} N={n}')
+      calls[variant] = _decode_call(variant_config(config, variant), params,
+                                    n, batch, steps, reps)
+    times = _interleaved(calls, reps)
+    del calls
+    rows.extend(dict(variant=v, length=n, reps=reps,
+                     decode_times_s=times[v],
+                     **_decode_row(batch, steps, times[v]))
+                for v in variants)
   return rows
 
 

@@ -155,7 +155,8 @@ def run_speed(models, spec: plan_lib.SpeedSpec | Mapping[str, Any],
       bar.update(1)
     rows = speed_lib.measure(
         config, params, list(spec.lengths), batch=spec.batch,
-        decode_batch=spec.decode_batch, reps=spec.reps, progress=tick)
+        decode_batch=spec.decode_batch, reps=spec.reps,
+        decode_steps=spec.decode_steps or None, progress=tick)
   return {'rows': rows, 'ratios': speed_lib.ratios(rows)}
 
 

@@ -234,8 +234,8 @@ class Partitioner:
 
   def cache_shardings(self, cache):
     """KV cache: k, v [B, S, K, D] by batch, sequence and kv heads; lengths
-    [B] by batch; linear state S [B, H, F, D], z [B, H, F] by batch and
-    heads."""
+    [B] and folded [B] by batch; linear state S [B, H, F, D], z [B, H, F]
+    by batch and heads."""
     def layer(c):
       kv = ('batch', 'cache_length', 'kv_heads', 'head_dim')
       return c.replace(
@@ -245,7 +245,8 @@ class Partitioner:
           S=self.sharding(('batch', 'heads', 'features', 'head_dim'),
                           c.S.shape, 'cache S'),
           z=self.sharding(('batch', 'heads', 'features'), c.z.shape,
-                          'cache z'))
+                          'cache z'),
+          folded=self.sharding(('batch',), c.folded.shape, 'cache folded'))
     return tuple(layer(c) for c in cache)
 
   def shard_cache(self, cache):
