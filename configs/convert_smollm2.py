@@ -119,4 +119,6 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.seed = 0
   c.progress = not smoke
   c.mesh = dict(shape=dict(data=1, fsdp=1, tensor=1, sequence=1), rules=())
+  # configs/convert_tiny.py explains these.
+  c.model = dict(scan_layers=False, remat='none')
   return c

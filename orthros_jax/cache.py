@@ -1,4 +1,7 @@
-"""The explicit KV cache: a tuple with one `LayerCache` per layer.
+"""The explicit KV cache: a tuple with one `LayerCache` per layer, or, for
+a model with `scan_layers`, one `LayerCache` whose arrays carry a leading
+layer axis [L, ...] (`lengths`, `num_layers`, `layer_meta`
+and `map_layers` read either).
 
 Shapes (B batch, S max_len, K kv heads, H query heads, D head dim, F feature
 dim; F = 0 for dense attention):
@@ -42,7 +45,40 @@ class LayerCache:
     return self.k.shape[1]
 
 
-Cache = tuple[LayerCache, ...]
+Cache = tuple[LayerCache, ...] | LayerCache
+
+
+def is_stacked(cache: Cache) -> bool:
+  """True for the scanned layout (one LayerCache of [L, ...] arrays)."""
+  return isinstance(cache, LayerCache)
+
+
+def num_layers(cache: Cache) -> int:
+  return cache.k.shape[0] if is_stacked(cache) else len(cache)
+
+
+def layer_meta(cache: Cache) -> LayerCache:
+  """One layer's view for checks (every layer holds the same lengths):
+  lengths and folded as values; k, v, S, z as arrays of a tuple cache, as
+  one layer's `jax.ShapeDtypeStruct`s of a stacked one (no copy)."""
+  if not is_stacked(cache):
+    return cache[0]
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+  return cache.replace(k=shape(cache.k), v=shape(cache.v), S=shape(cache.S),
+                       z=shape(cache.z), lengths=cache.lengths[0],
+                       folded=cache.folded[0])
+
+
+def lengths(cache: Cache) -> Array:
+  """[B] tokens held per example."""
+  return cache.lengths[0] if is_stacked(cache) else cache[0].lengths
+
+
+def map_layers(fn, cache: Cache) -> Cache:
+  """`fn(LayerCache) -> LayerCache` applied to every layer, the layout
+  kept (fn sees the stacked arrays at once for a stacked cache; it must
+  then treat the leading axis as the layer)."""
+  return fn(cache) if is_stacked(cache) else tuple(fn(c) for c in cache)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int,
@@ -69,6 +105,10 @@ def init_cache(config: ModelConfig, batch: int, max_len: int,
         z=jnp.zeros((batch, h, f), jnp.float32),
         folded=jnp.zeros((batch,), jnp.int32))
 
+  if config.scan_layers:
+    return jax.tree.map(
+        lambda x: jnp.zeros((config.num_layers,) + x.shape, x.dtype),
+        jax.eval_shape(layer))
   return tuple(layer() for _ in range(config.num_layers))
 
 

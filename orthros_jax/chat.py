@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orthros_jax import cache as cache_lib
 from orthros_jax.cache import Cache
 from orthros_jax.cache import init_cache
 from orthros_jax.config import ModelConfig
@@ -114,7 +115,7 @@ class ChatSession:
 
   @property
   def cached(self) -> int:
-    return int(self.cache[0].lengths[0])
+    return int(cache_lib.lengths(self.cache)[0])
 
   def _new_prompt_ids(self, messages) -> list[int]:
     """The tokens this turn adds: the template's rendering of the whole

@@ -133,6 +133,13 @@ class RopeScaling:
              self.original_max_len, 'an integer >= 1')
 
 
+# 'none': keep every activation; 'full': keep only each block's input
+# (recompute the block in the backward pass); 'dots': keep the matmul
+# outputs; 'dots_no_batch': keep the matmuls without batch dimensions
+# (the projections and the MLP, not attention's score matrices).
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A Llama-family decoder (Llama 2/3, Mistral, Qwen2 layouts).
@@ -157,8 +164,20 @@ class ModelConfig:
   dtype: str = 'float32'      # activations
   param_dtype: str = 'float32'
   attention: AttentionConfig = AttentionConfig()
+  # Layers as one `nn.scan` over stacked params (compiled once, params
+  # under 'layers' with a leading layer axis, the cache one LayerCache of
+  # [L, ...] arrays) instead of L unrolled blocks 'layers_{i}';
+  # `model.stack_layers` / `unstack_layers` convert between the two.
+  scan_layers: bool = False
+  # Rematerialization of each block in training: one of REMAT_POLICIES
+  # (model.py maps them to jax.checkpoint_policies).
+  remat: str = 'none'
 
   def __post_init__(self):
+    _check(isinstance(self.scan_layers, bool), 'scan_layers',
+           self.scan_layers, 'True or False')
+    _check(self.remat in REMAT_POLICIES, 'remat', self.remat,
+           f'one of {REMAT_POLICIES}')
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads',
                  'num_kv_heads', 'head_dim', 'mlp_dim'):
       value = getattr(self, name)

@@ -43,6 +43,13 @@ from orthros_jax.feature_maps import FeatureMap
 
 Array = jax.Array
 PHASES = ('forward', 'prefill', 'decode')
+# config.REMAT_POLICIES -> what each block keeps for the backward pass.
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.checkpoint_dots,
+    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _partitioned(init, axes):
@@ -402,18 +409,36 @@ class Transformer(nn.Module):
     if phase == 'forward':
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     else:
-      positions = cache[0].lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+      positions = (cache_lib.lengths(cache)[:, None]
+                   + jnp.arange(t, dtype=jnp.int32))
     if lengths is None:
       lengths = jnp.full((b,), t, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
 
-    new_cache = []
-    for i in range(cfg.num_layers):
-      x, layer_cache = Block(cfg, self.backend, name=f'layers_{i}')(
-          x, positions, phase=phase,
-          cache=None if cache is None else cache[i], lengths=lengths,
-          split=split)
-      new_cache.append(layer_cache)
+    def layer(block, x, layer_cache, positions, lengths, split):
+      return block(x, positions, phase=phase, cache=layer_cache,
+                   lengths=lengths, split=split)
+
+    if cfg.remat != 'none':
+      layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat],
+                       prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      x, new_cache = nn.scan(
+          layer, variable_axes={'params': 0, 'intermediates': 0},
+          split_rngs={'params': True},
+          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+          length=cfg.num_layers,
+          metadata_params={nn.PARTITION_NAME: 'layers'})(
+              Block(cfg, self.backend, name='layers'), x, cache, positions,
+              lengths, split)
+    else:
+      new_cache = []
+      for i in range(cfg.num_layers):
+        x, layer_cache = layer(
+            Block(cfg, self.backend, name=f'layers_{i}'), x,
+            None if cache is None else cache[i], positions, lengths, split)
+        new_cache.append(layer_cache)
+      new_cache = tuple(new_cache)
     x = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name='final_norm')(x)
     if phase == 'prefill' and not all_logits:
       last = jnp.clip(lengths - 1, 0, t - 1)
@@ -427,7 +452,7 @@ class Transformer(nn.Module):
           kernel_init=_partitioned(nn.initializers.lecun_normal(),
                                    ('embed', 'vocab')), name='lm_head')(x)
     return logits.astype(jnp.float32), (None if phase == 'forward'
-                                        else tuple(new_cache))
+                                        else new_cache)
 
 
 def transformer(config: ModelConfig, placement=None) -> Transformer:
@@ -470,10 +495,16 @@ def _check_call(cfg, tokens, phase, cache, lengths, split,
     if cache is None:
       raise ValueError(f"phase={phase!r} needs a cache: pass "
                        'cache=init_cache(config, batch, max_len)')
-    if len(cache) != cfg.num_layers:
-      raise ValueError(f'cache has {len(cache)} layers, the model '
-                       f'{cfg.num_layers}')
-    c0 = cache[0]
+    if cache_lib.is_stacked(cache) != cfg.scan_layers:
+      layout = ('one stacked LayerCache' if cache_lib.is_stacked(cache)
+                else 'a tuple of LayerCaches')
+      raise ValueError(f'the model has scan_layers={cfg.scan_layers}, the '
+                       f'cache is {layout}: create it with '
+                       'init_cache(config, ...)')
+    if cache_lib.num_layers(cache) != cfg.num_layers:
+      raise ValueError(f'cache has {cache_lib.num_layers(cache)} layers, the '
+                       f'model {cfg.num_layers}')
+    c0 = cache_lib.layer_meta(cache)
     if c0.k.shape[0] != b:
       raise ValueError(f'cache batch {c0.k.shape[0]} != tokens batch {b}')
     if c0.S.shape[2] != cfg.attention.state_dim:
@@ -553,3 +584,50 @@ def init_orthros_params(config: ModelConfig, rng: Array | None = None) -> dict:
       out[f'layers_{i}']['attn']['length_exponent'] = jnp.zeros(
           (h,), config.param_dtype)
   return out
+
+
+def _layer_keys(params) -> list[str]:
+  keys = [k for k in params if k.startswith('layers_')]
+  return sorted(keys, key=lambda k: int(k.split('_')[1]))
+
+
+def stack_layers(params) -> dict:
+  """Unrolled params ({'layers_0': ..., 'layers_{L-1}': ...}) in the
+  layout of a `scan_layers` model ({'layers': ...}, every leaf with a
+  leading layer axis); the other entries are kept. Already stacked params
+  are returned as they are."""
+  params = nn.unbox(params)
+  keys = _layer_keys(params)
+  if 'layers' in params and not keys:
+    return dict(params)
+  if not keys or keys != [f'layers_{i}' for i in range(len(keys))]:
+    raise ValueError(f'params hold layers {keys}: expected layers_0 .. '
+                     'layers_{L-1} (or a stacked "layers" entry)')
+  trees = [params[k] for k in keys]
+  if any(jax.tree.structure(t) != jax.tree.structure(trees[0])
+         for t in trees):
+    raise ValueError('the layers hold different parameters: they cannot be '
+                     'stacked')
+  out = {k: v for k, v in params.items() if k not in keys}
+  out['layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+  return out
+
+
+def unstack_layers(params) -> dict:
+  """The inverse of `stack_layers`: {'layers': [L, ...]} -> layers_0 ..
+  layers_{L-1}. Unrolled params are returned as they are."""
+  params = nn.unbox(params)
+  if 'layers' not in params:
+    return dict(params)
+  stacked = params['layers']
+  n = jax.tree.leaves(stacked)[0].shape[0]
+  out = {k: v for k, v in params.items() if k != 'layers'}
+  for i in range(n):
+    out[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], stacked)
+  return out
+
+
+def layers_for(config: ModelConfig, params) -> dict:
+  """`params` in the layer layout `config.scan_layers` asks for."""
+  return stack_layers(params) if config.scan_layers else unstack_layers(
+      params)

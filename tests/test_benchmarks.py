@@ -246,6 +246,43 @@ def test_decode_speed_tiny_writes_both_variants(tmp_path):
     _load('decode_speed').main(['--lengths', '0'])
 
 
+def test_scan_layers_benchmark_tiny(tmp_path):
+  """benchmarks/scan_layers.py at tiny size: a row per (program, setting)
+  with its compile times and XLA's memory; the shapes it names build (the
+  real ones are only configured, not compiled, here)."""
+  bench = _load('scan_layers')
+  assert bench.shape_config('smollm2').num_layers == 30
+  llama = bench.shape_config('llama_1b')
+  assert llama.num_layers == 16 and llama.is_orthros
+  with pytest.raises(ValueError, match='unknown shape'):
+    bench.shape_config('gpt5')
+  cmd = [sys.executable, 'benchmarks/scan_layers.py', '--tiny', '--shapes',
+         'smollm2', '--settings', 'unrolled,scan_remat_full', '--reps', '2',
+         '--prefill_len', '24', '--decode_len', '20', '--train_len', '17',
+         '--out', str(tmp_path)]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / 'scan_layers.json') as f:
+    result = json.load(f)
+  rows = {(r['program'], r['setting']): r for r in result['rows']}
+  assert set(rows) == {(p, s) for p in ('prefill', 'decode', 'stage2_step')
+                       for s in ('unrolled', 'scan_remat_full')}
+  for (program, _), r in rows.items():
+    assert r['length'] == {'prefill': 24, 'decode': 20,
+                           'stage2_step': 17}[program]
+    assert len(r['compile_times_s']) == 2
+    assert 0 < r['compile_min_s'] <= r['compile_s'] <= r['compile_max_s']
+    assert r['memory_bytes'] > 0
+  assert result['machine']['settings']['scan_remat_full'] == {
+      'scan_layers': True, 'remat': 'full'}
+  assert '| stage2_step | 17 | scan_remat_full |' in (
+      tmp_path / 'report.md').read_text()
+  assert (tmp_path / 'scan_layers.png').stat().st_size > 0
+  with pytest.raises(SystemExit):
+    bench.main(['--settings', 'unrolled,bogus'])
+
+
 def test_device_model_time_box_and_recipe(tmp_path):
   """Lengths run shortest, longest, then the rest; a measurement that cannot
   fit is skipped with the reason; the attention is configs/convert_smollm2's."""

@@ -28,6 +28,7 @@ from orthros_jax.data import make_dataset
 from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import loading
 from orthros_jax.model import Transformer
+from orthros_jax.model import unstack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.config import model_config_from
 from orthros_jax.training.train_lm import train_and_evaluate
@@ -263,6 +264,46 @@ def test_convert_on_a_mesh_equals_one_device(converted, teacher_dir,
   np.testing.assert_allclose(sharded['eval']['orthros']['all']['loss'],
                              report['eval']['orthros']['all']['loss'],
                              rtol=1e-5)
+
+
+def test_convert_with_layers_scanned_equals_unrolled(converted, teacher_dir,
+                                                     tmp_path):
+  """--config.model.scan_layers=True --config.model.remat=dots_no_batch:
+  both stages train the same losses as the unrolled run, the checkpoint
+  holds the stacked layout with a config that says so, and the adapter
+  (unrolled on disk) equals the unrolled run's."""
+  workdir, report = converted
+  c = _convert_config(teacher_dir)
+  c.model = dict(scan_layers=True, remat='dots_no_batch')
+  scanned = pipeline.convert(c, tmp_path)
+  for stage in ('stage1', 'stage2'):
+    rows = lambda d: [json.loads(l)['loss'] for l in
+                      open(d / stage / 'metrics.jsonl') if '"loss"' in l]
+    np.testing.assert_allclose(rows(tmp_path), rows(workdir), rtol=1e-5)
+  params, config, _ = ckpt_lib.load_params(tmp_path / 'orthros')
+  assert config['scan_layers'] and 'layers' in params
+  ref, _, _ = ckpt_lib.load_params(workdir / 'orthros')
+  got = unstack_layers(params)
+  for path, a in jax.tree_util.tree_flatten_with_path(ref)[0]:
+    b = functools.reduce(lambda t, k: t[k.key], path, got)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4,
+                               atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  _, want = adapter_lib.read_adapter(workdir / 'adapter')
+  meta, have = adapter_lib.read_adapter(tmp_path / 'adapter')
+  assert set(have) == set(want)
+  assert not meta['model_config']['scan_layers']
+  for name in want:
+    np.testing.assert_allclose(have[name], want[name], rtol=1e-4, atol=1e-5,
+                               err_msg=name)
+  np.testing.assert_allclose(scanned['eval']['orthros']['all']['loss'],
+                             report['eval']['orthros']['all']['loss'],
+                             rtol=1e-5)
+  c.model = dict(scan_layers=True, remat='some')
+  with pytest.raises(ValueError, match='remat'):
+    pipeline.convert(c, tmp_path / 'bad')
+  c.model = dict(scan=True)
+  with pytest.raises(ValueError, match=r"model has unknown keys \['scan'\]"):
+    pipeline.convert(c, tmp_path / 'bad')
 
 
 def test_full_finetune_and_kl(teacher_dir, tmp_path):

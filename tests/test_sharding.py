@@ -26,6 +26,7 @@ from orthros_jax.attention.orthros import orthros_prefill
 from orthros_jax.attention.softmax import decode_attention
 from orthros_jax.conversion import stages
 from orthros_jax.conversion.lora import init_lora
+from orthros_jax.model import stack_layers
 from jax.sharding import PartitionSpec as P
 
 from orthros_jax.sharding import Partitioner
@@ -184,6 +185,41 @@ def test_generation_equals_single_device(shape):
   k = out.cache[0].k
   assert k.sharding.is_equivalent_to(
       part.cache_shardings(out.cache)[0].k, k.ndim)
+
+
+@pytest.mark.parametrize('shape', [{'data': 2, 'fsdp': 2, 'tensor': 2},
+                                   {'data': 2, 'tensor': 2, 'sequence': 2}],
+                         ids=_mesh_id)
+def test_scanned_layers_on_a_mesh_equal_unrolled_single_device(shape):
+  """A scan_layers model (3 layers) generates on a mesh what the unrolled
+  model generates on one device; its stacked params and cache shard like
+  the unrolled ones with the layer axis whole."""
+  cfg = CFG.replace(num_layers=3)
+  scfg = cfg.replace(scan_layers=True)
+  params = Transformer(cfg).init(jax.random.PRNGKey(4), jnp.zeros(
+      (1, 8), jnp.int32), phase='forward')['params']
+  params = jax.tree.map(
+      lambda x: x + 0.2 * jax.random.normal(jax.random.PRNGKey(3), x.shape),
+      nn.unbox(params))
+  rng = np.random.default_rng(6)
+  prompts = [list(rng.integers(1, cfg.vocab_size, n))
+             for n in (30, 17, 25, 40, 33, 12, 28, 36)]
+  ref = generate(cfg, params, prompts, max_new_tokens=6)
+  part = _partitioner(shape)
+  stacked = part.shard_params(stack_layers(params), scfg)
+  out = generate(scfg, stacked, prompts, max_new_tokens=6, partitioner=part)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  q = stacked['layers']['attn']['q_proj']['kernel']
+  one = part.model_param_shardings(cfg)['layers_0']['attn']['q_proj'][
+      'kernel']
+  assert q.sharding.is_equivalent_to(
+      jax.sharding.NamedSharding(part.mesh, P(None, *one.spec)), q.ndim)
+  assert any(a is not None for a in one.spec)  # the check is not vacuous
+  k = out.cache.k  # one LayerCache [L, B, S, K, D]
+  assert k.shape[0] == 3
+  assert k.sharding.is_equivalent_to(part.cache_shardings(out.cache).k,
+                                     k.ndim)
+  assert k.sharding.spec[0] is None
 
 
 def test_conversion_objectives_run_the_prefill_under_shard_map(monkeypatch):

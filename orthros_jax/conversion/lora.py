@@ -17,6 +17,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from orthros_jax.model import stack_layers
+from orthros_jax.model import unstack_layers
+
 Array = jax.Array
 DEFAULT_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
 # Number of leading input dims of each projection's kernel.
@@ -42,9 +45,14 @@ def init_lora(params: dict, rng: Array, *, rank: int = 8,
               targets: Sequence[str] = DEFAULT_TARGETS,
               dtype=jnp.float32) -> dict:
   """Adapters {layer: {proj: {'a': [in, r], 'b': [r, out]}}}; A ~ N(0, 1/in),
-  B = 0, so the merged model starts equal to the base model."""
+  B = 0, so the merged model starts equal to the base model. Stacked params
+  (scan_layers, `model.stack_layers`) get the same adapters stacked:
+  {'layers': {proj: {'a': [L, in, r], 'b': [L, r, out]}}}."""
   if not isinstance(rank, int) or rank < 1:
     raise ValueError(f'lora rank={rank!r} must be an integer >= 1')
+  if 'layers' in params:  # scan_layers: the unrolled draws, stacked
+    return stack_layers(init_lora(unstack_layers(params), rng, rank=rank,
+                                  targets=targets, dtype=dtype))
   lora = {}
   entries = list(_targets(params, targets))
   for key, (layer, name, kernel) in zip(jax.random.split(rng, len(entries)),
@@ -65,8 +73,8 @@ def merge_lora(params: dict, lora: dict, *, alpha: float = 16.0) -> dict:
     for name, ab in projections.items():
       node = dict(merged[layer]['attn'][name])
       kernel = node['kernel']
-      rank = ab['a'].shape[1]
-      delta = (ab['a'] @ ab['b']) * (alpha / rank)
+      rank = ab['a'].shape[-1]
+      delta = (ab['a'] @ ab['b']) * (alpha / rank)  # batched when stacked
       node['kernel'] = (kernel.astype(jnp.float32) + delta.reshape(
           kernel.shape)).astype(kernel.dtype)
       attn = dict(merged[layer]['attn'])

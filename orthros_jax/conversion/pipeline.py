@@ -56,6 +56,8 @@ from orthros_jax.conversion.teacher import load_teacher
 from orthros_jax.conversion.teacher import orthros_config
 from orthros_jax.data import get_tokenizer
 from orthros_jax.evaluation import inference
+from orthros_jax.model import layers_for
+from orthros_jax.model import unstack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.training import loop
 from orthros_jax.training import step as step_lib
@@ -90,6 +92,12 @@ def evaluate_models(models: Mapping[str, tuple[ModelConfig, dict, str]],
 # -------------------------------------------------------------------- main
 
 
+def unrolled(config: ModelConfig) -> ModelConfig:
+  """`config` with its layers unrolled and no remat (the adapter's
+  layout)."""
+  return config.replace(scan_layers=False, remat='none')
+
+
 def convert(config, workdir: str | os.PathLike) -> dict:
   """Runs the conversion `config` describes (a ConversionPlan, or a config
   that check_config parses) in `workdir`, resuming what a previous run
@@ -113,6 +121,10 @@ def convert(config, workdir: str | os.PathLike) -> dict:
 
   partitioner = sharding.Partitioner.from_config(plan.mesh)
   teacher, teacher_params, teacher_info = load_teacher(plan.teacher)
+  # The adapter files and stage-1-from-adapter read the unrolled layout.
+  unrolled_teacher = teacher_params
+  teacher = teacher.replace(scan_layers=plan.scan_layers, remat=plan.remat)
+  teacher_params = layers_for(teacher, teacher_params)
   student = orthros_config(teacher, attention)
   if partitioner is not None:
     teacher_params = partitioner.shard_params(teacher_params, teacher)
@@ -133,15 +145,18 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   lora_start = None
   if from_adapter2:
     params1, lora_start, stage2_source = stage2_from_adapter(
-        from_adapter2, student, teacher, teacher_params, rank=rank,
-        alpha=alpha, targets=lora_targets)
+        from_adapter2, unrolled(student), unrolled(teacher),
+        unrolled_teacher, rank=rank, alpha=alpha, targets=lora_targets)
+    params1 = layers_for(student, params1)
+    lora_start = layers_for(student, lora_start)
     stage1_source = dict(stage2_source['stage1'],
                          from_adapter=stage2_source['from_adapter'],
                          workdir=stage2_source['workdir'])
     hist1 = []
   elif from_adapter:
     params1, stage1_source = stage1_from_adapter(
-        from_adapter, student, teacher, teacher_params)
+        from_adapter, unrolled(student), unrolled(teacher), unrolled_teacher)
+    params1 = layers_for(student, params1)
     hist1 = []
   else:
     state1, hist1 = loop.train(
@@ -196,8 +211,9 @@ def convert(config, workdir: str | os.PathLike) -> dict:
     # What the conversion adds, alone (feature maps, windows, LoRA): a few
     # MB to ship beside the teacher's own weights (conversion/adapter.py).
     adapter_lib.write_adapter(
-        os.path.join(workdir, 'adapter'), student, teacher_params,
-        state2.params['base'], state2.params['lora'], alpha=alpha,
+        os.path.join(workdir, 'adapter'), unrolled(student), unrolled_teacher,
+        unstack_layers(state2.params['base']),
+        unstack_layers(state2.params['lora']), alpha=alpha,
         provenance={'conversion_workdir': workdir, 'teacher': teacher_info,
                     'stage1': stage1_record,
                     'stage2_step': s2_cfg.num_steps,

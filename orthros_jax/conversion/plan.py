@@ -12,6 +12,8 @@ the plan. The config's fields are documented in configs/convert_tiny.py:
              stage2's lora_rank (0 = full finetune), lora_alpha,
              lora_targets, kl_weight, hidden_weight, from_adapter
   eval:      EvalPlan (the held-out check after the conversion)
+  model:     optional scan_layers / remat for teacher and student (the
+             adapter and the report do not depend on them)
   mesh:      optional device mesh (orthros_jax/sharding/)
   seed, progress
 """
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from orthros_jax.config import AttentionConfig
+from orthros_jax.config import ModelConfig
 from orthros_jax.config import plain
 from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.conversion.teacher import TeacherSpec
@@ -40,7 +43,9 @@ _STAGE1_KEYS = _STAGE_KEYS | {'from_adapter'}
 _STAGE2_KEYS = _STAGE_KEYS | {'lora_rank', 'lora_alpha', 'kl_weight',
                               'hidden_weight', 'lora_targets', 'from_adapter'}
 _TOP_KEYS = {'teacher', 'attention', 'data', 'stage1', 'stage2', 'eval',
-             'mesh', 'seed', 'progress'}
+             'mesh', 'seed', 'progress', 'model'}
+# config.model: how the layers run (not the teacher's architecture).
+_MODEL_KEYS = ('scan_layers', 'remat')
 LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
 
 
@@ -109,6 +114,8 @@ class ConversionPlan:
   mesh: dict | None
   seed: int = 0
   progress: bool = True
+  scan_layers: bool = False  # config.model: ModelConfig.scan_layers
+  remat: str = 'none'  # config.model: ModelConfig.remat
   config: dict = dataclasses.field(default_factory=dict)  # as given
 
 
@@ -202,7 +209,15 @@ def check_config(config) -> ConversionPlan:
         'its whole context, so no position uses the linear part and the '
         'conversion would train nothing of the prefill formula; use a '
         'smaller window')
+  model = dict(cfg.get('model') or {})
+  unknown = sorted(set(model) - set(_MODEL_KEYS))
+  if unknown:
+    raise ValueError(f'model has unknown keys {unknown}; valid keys: '
+                     f'{list(_MODEL_KEYS)}')
+  # ModelConfig checks the values themselves.
+  layers = ModelConfig(**model)
   return ConversionPlan(
+      scan_layers=layers.scan_layers, remat=layers.remat,
       teacher=TeacherSpec.from_config(cfg['teacher']), attention=attention,
       data=data_cfg, tokens_per_step=tokens_per_step,
       stage1=s1_cfg, stage2=s2_cfg, from_adapter=from_adapter,

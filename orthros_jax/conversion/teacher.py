@@ -20,6 +20,8 @@ from orthros_jax.config import ModelConfig
 from orthros_jax.config import model_config_from
 from orthros_jax.config import plain as _plain
 from orthros_jax.model import init_orthros_params
+from orthros_jax.model import layers_for
+from orthros_jax.model import unstack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 
 
@@ -118,9 +120,10 @@ def orthros_config(teacher: ModelConfig,
 
 def init_student(teacher_params: dict, config: ModelConfig,
                  rng: jax.Array) -> dict:
-  """The teacher's params plus fresh feature maps and window weights."""
-  params = jax.tree.map(jnp.copy, teacher_params)
+  """The teacher's params plus fresh feature maps and window weights, in
+  the layer layout of `config` (scan_layers: stacked)."""
+  params = jax.tree.map(jnp.copy, unstack_layers(teacher_params))
   for layer, extra in init_orthros_params(config, rng).items():
     params[layer] = dict(params[layer], attn=dict(params[layer]['attn'],
                                                   **extra['attn']))
-  return params
+  return layers_for(config, params)

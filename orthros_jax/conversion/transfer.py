@@ -41,11 +41,14 @@ def capture_layers(config: ModelConfig, params: dict, tokens: Array,
   inter = state['intermediates']
   out = {}
   for name in names:
-    xs = [inter[f'layers_{i}'][name]['__call__'][0]
-          for i in range(config.num_layers)]
     # Attention returns (y, cache): keep y.
-    xs = [x[0] if isinstance(x, tuple) else x for x in xs]
-    out[name] = jnp.stack(xs).astype(jnp.float32)
+    first = lambda x: x[0] if isinstance(x, tuple) else x
+    if config.scan_layers:  # already stacked over layers
+      x = first(inter['layers'][name]['__call__'][0])
+    else:
+      x = jnp.stack([first(inter[f'layers_{i}'][name]['__call__'][0])
+                     for i in range(config.num_layers)])
+    out[name] = x.astype(jnp.float32)
   return logits, out
 
 
@@ -80,12 +83,18 @@ def transfer_loss(params: dict, config: ModelConfig, inputs: Array,
   denom = jnp.maximum(jnp.sum(weights), 1.0) * inputs.shape[-1]
   backend = (None if placement is None
              else AttentionBackend.for_model(config, placement))
-  per_layer = []
-  for i in range(config.num_layers):
+  def layer_mse(attn_params, x, target):
     y, _ = Attention(config, backend).apply(
-        {'params': params[f'layers_{i}']['attn']},
-        inputs[i].astype(config.dtype), positions, phase='forward')
-    err = jnp.square(y.astype(jnp.float32) - outputs[i])
-    per_layer.append(jnp.sum(err * weights[..., None]) / denom)
-  per_layer = jnp.stack(per_layer)
+        {'params': attn_params}, x.astype(config.dtype), positions,
+        phase='forward')
+    err = jnp.square(y.astype(jnp.float32) - target)
+    return jnp.sum(err * weights[..., None]) / denom
+
+  if config.scan_layers:  # one layer's program, scanned over the stack
+    per_layer = jax.lax.map(lambda a: layer_mse(*a), (
+        params['layers']['attn'], inputs, outputs))
+  else:
+    per_layer = jnp.stack([
+        layer_mse(params[f'layers_{i}']['attn'], inputs[i], outputs[i])
+        for i in range(config.num_layers)])
   return jnp.sum(per_layer), per_layer

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orthros_jax import cache as cache_lib
 from orthros_jax.cache import init_cache
 from orthros_jax.config import ModelConfig
 from orthros_jax.model import Transformer
@@ -125,10 +126,10 @@ def _decode_call(config: ModelConfig, params, n: int, batch: int,
   here, so the call runs the program compiled for the committed cache it
   returns."""
   folded = max(n - config.attention.window, 0) if config.is_orthros else 0
-  state = {'cache': tuple(
-      c.replace(lengths=jnp.full((batch,), n, jnp.int32),
-                folded=jnp.full((batch,), folded, jnp.int32))
-      for c in init_cache(config, batch, n + 2 + (reps + 1) * steps)),
+  state = {'cache': cache_lib.map_layers(
+      lambda c: c.replace(lengths=jnp.full(c.lengths.shape, n, jnp.int32),
+                          folded=jnp.full(c.folded.shape, folded, jnp.int32)),
+      init_cache(config, batch, n + 2 + (reps + 1) * steps)),
            'token': jnp.zeros((batch, 1), jnp.int32),
            'step': jax.jit(_decode_fn(config), donate_argnums=2)}
 

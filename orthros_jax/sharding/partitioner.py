@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from orthros_jax import cache as cache_lib
 from orthros_jax.attention.backend import AttentionBackend
 from orthros_jax.attention.placement import Placement
 from orthros_jax.attention.placement import axis_size
@@ -235,25 +236,28 @@ class Partitioner:
   def cache_shardings(self, cache):
     """KV cache: k, v [B, S, K, D] by batch, sequence and kv heads; lengths
     [B] and folded [B] by batch; linear state S [B, H, F, D], z [B, H, F]
-    by batch and heads."""
+    by batch and heads. A stacked cache (scan_layers) keeps its leading
+    layer axis whole."""
+    lead = ('layers',) if cache_lib.is_stacked(cache) else ()
+
     def layer(c):
-      kv = ('batch', 'cache_length', 'kv_heads', 'head_dim')
+      kv = lead + ('batch', 'cache_length', 'kv_heads', 'head_dim')
+      one = lambda names, x, what: self.sharding(lead + names, x.shape, what)
       return c.replace(
           k=self.sharding(kv, c.k.shape, 'cache k'),
           v=self.sharding(kv, c.v.shape, 'cache v'),
-          lengths=self.sharding(('batch',), c.lengths.shape, 'cache lengths'),
-          S=self.sharding(('batch', 'heads', 'features', 'head_dim'),
-                          c.S.shape, 'cache S'),
-          z=self.sharding(('batch', 'heads', 'features'), c.z.shape,
-                          'cache z'),
-          folded=self.sharding(('batch',), c.folded.shape, 'cache folded'))
-    return tuple(layer(c) for c in cache)
+          lengths=one(('batch',), c.lengths, 'cache lengths'),
+          S=one(('batch', 'heads', 'features', 'head_dim'), c.S, 'cache S'),
+          z=one(('batch', 'heads', 'features'), c.z, 'cache z'),
+          folded=one(('batch',), c.folded, 'cache folded'))
+    return cache_lib.map_layers(layer, cache)
 
   def shard_cache(self, cache):
     seq = self.sequence_axis
-    if seq is not None and cache[0].k.shape[1] % self.mesh.shape[seq]:
+    max_len = cache_lib.layer_meta(cache).max_len
+    if seq is not None and max_len % self.mesh.shape[seq]:
       raise ValueError(
-          f'cache max_len={cache[0].k.shape[1]} must be a multiple of the '
+          f'cache max_len={max_len} must be a multiple of the '
           f"'{seq}' mesh axis ({self.mesh.shape[seq]}) for a sequence-sharded "
           'cache; allocate a larger cache')
     return jax.device_put(cache, self.cache_shardings(cache))

@@ -21,6 +21,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ('embed', 'fsdp'),
     ('features', 'fsdp'),
     ('head_dim', None),
+    ('layers', None),  # the stacked layer axis of scan_layers
 )
 
 
