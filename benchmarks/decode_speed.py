@@ -5,8 +5,10 @@ folds the tokens leaving its window into the linear state (S, z), which
 only a later prefill reads, a chunk at a time (docs/ARCHITECTURE.md,
 section 3). `evaluation/speed.measure_decode` times them interleaved: at
 each cache length both variants are compiled, then `reps` rounds of one
-call each in turn, every call `steps` decode steps (default the chunk size,
-so every Orthros call holds exactly one fold); median, min and max per step.
+call each in turn, every call `steps` decode steps from a cache of that
+length (default the chunk size, so every Orthros call holds exactly one
+fold when the length is at least the window); median, min and max per
+step.
 
   python benchmarks/decode_speed.py --out results/decode_speed
 

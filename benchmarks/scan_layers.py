@@ -18,6 +18,8 @@ the recipe's Orthros attention, float32 as converted on CPU) and
 'llama_1b' (configs/llama_1b.py, 16 layers, d = 2048, bfloat16 activations,
 float32 params, with the same Orthros attention). Settings: unrolled
 (the default), scan, scan + remat 'dots_no_batch', scan + remat 'full'.
+With --time_stage2 the stage-2 step also runs (random weights and data,
+`--train_batch` rows): its step time and tokens/s per setting.
 Writes scan_layers.json, scan_layers.csv, report.md and scan_layers.png.
 """
 
@@ -58,8 +60,9 @@ PROGRAMS = ('prefill', 'decode', 'stage2_step')
 ATTENTION = dict(kind='orthros', feature_map='hedgehog', feature_dim=64,
                  window=64, chunk_size=64, exact_tail=1, window_init=0.1,
                  sinks=4)
-_FIELDS = ('shape', 'setting', 'program', 'length', 'compile_s',
-           'compile_min_s', 'compile_max_s', 'memory_bytes', 'temp_bytes')
+_FIELDS = ('shape', 'setting', 'program', 'length', 'batch', 'compile_s',
+           'compile_min_s', 'compile_max_s', 'memory_bytes', 'temp_bytes',
+           'step_s', 'step_min_s', 'step_max_s', 'tokens_per_s')
 
 
 def shape_config(name: str, tiny: bool = False):
@@ -90,7 +93,8 @@ def _abstract(tree):
 
 
 def programs(config, length: int, batch: int = 1) -> dict:
-  """name -> (function, abstract arguments) of the three programs."""
+  """name -> (function, abstract arguments) of the three programs (`batch`
+  rows of `length` tokens each)."""
   model = Transformer(config)
   tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
   params = _abstract(nn.unbox(jax.eval_shape(
@@ -134,6 +138,22 @@ def compile_once(fn, args) -> tuple[float, object]:
   return time.perf_counter() - t0, compiled
 
 
+def concrete(args, seed: int = 0):
+  """Random arrays for abstract arguments: normal floats (scaled small),
+  token ids in [0, 256), weights 1 where the name says so."""
+  leaves, tree = jax.tree_util.tree_flatten_with_path(args)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  out = []
+  for (path, x), key in zip(leaves, keys):
+    if jnp.issubdtype(x.dtype, jnp.integer):
+      out.append(jax.random.randint(key, x.shape, 0, 256, x.dtype))
+    elif 'weights' in jax.tree_util.keystr(path):
+      out.append(jnp.ones(x.shape, x.dtype))
+    else:
+      out.append(0.02 * jax.random.normal(key, x.shape, x.dtype))
+  return jax.tree.unflatten(jax.tree.structure(args), out)
+
+
 def memory(compiled) -> tuple[int | None, int | None]:
   try:
     m = compiled.memory_analysis()
@@ -147,32 +167,55 @@ def memory(compiled) -> tuple[int | None, int | None]:
 
 
 def measure(shape: str, settings, lengths: dict, reps: int, tiny: bool,
-            progress=print) -> list[dict]:
+            progress=print, train_batch: int = 1,
+            time_stage2: bool = False) -> list[dict]:
   """One row per (setting, program): compile times (median, min, max over
   `reps` interleaved rounds: each round compiles every setting once) and
-  the compiled program's memory."""
+  the compiled program's memory. time_stage2: the stage-2 step also runs
+  on random weights and data, `reps` interleaved rounds after one warm-up
+  call each (step_s median, min, max; tokens_per_s = tokens / step_s)."""
   base = shape_config(shape, tiny)
   rows = []
   for program in PROGRAMS:
     length = lengths[program]
-    fns = {s: programs(base.replace(**SETTINGS[s]), length)[program]
+    batch = train_batch if program == 'stage2_step' else 1
+    fns = {s: programs(base.replace(**SETTINGS[s]), length, batch)[program]
            for s in settings}
     times = {s: [] for s in settings}
-    mem = {}
+    mem, compiled = {}, {}
     for r in range(reps):
       for s in settings:
         progress(f'{shape} {program} N={length} {s} ({r + 1}/{reps})')
-        t, compiled = compile_once(*fns[s])
+        t, compiled[s] = compile_once(*fns[s])
         times[s].append(t)
-        mem[s] = memory(compiled)
-        del compiled
+        mem[s] = memory(compiled[s])
+    run = {}
+    if time_stage2 and program == 'stage2_step':
+      args = {s: concrete(fns[s][1]) for s in settings}
+      for s in settings:  # warm-up
+        progress(f'{shape} {program} running {s} (warm-up)')
+        jax.block_until_ready(compiled[s](*args[s]))
+      run = {s: [] for s in settings}
+      for r in range(reps):
+        for s in settings:
+          progress(f'{shape} {program} running {s} ({r + 1}/{reps})')
+          t0 = time.perf_counter()
+          jax.block_until_ready(compiled[s](*args[s]))
+          run[s].append(time.perf_counter() - t0)
+      del args
+    del compiled
     for s in settings:
-      rows.append(dict(shape=shape, setting=s, program=program,
-                       length=length, compile_s=float(np.median(times[s])),
-                       compile_min_s=min(times[s]),
-                       compile_max_s=max(times[s]), compile_times_s=times[s],
-                       memory_bytes=mem[s][0], temp_bytes=mem[s][1],
-                       reps=reps))
+      row = dict(shape=shape, setting=s, program=program, length=length,
+                 batch=batch, compile_s=float(np.median(times[s])),
+                 compile_min_s=min(times[s]), compile_max_s=max(times[s]),
+                 compile_times_s=times[s], memory_bytes=mem[s][0],
+                 temp_bytes=mem[s][1], reps=reps)
+      if s in run:
+        step = float(np.median(run[s]))
+        row.update(step_s=step, step_min_s=min(run[s]),
+                   step_max_s=max(run[s]), step_times_s=run[s],
+                   tokens_per_s=batch * length / step)
+      rows.append(row)
   return rows
 
 
@@ -181,6 +224,7 @@ def table(rows) -> str:
   lines = ['| shape | program | tokens | setting | compile s (min-max) | '
            'x faster than unrolled | peak memory MiB | temp MiB |',
            '|---|---|---:|---|---:|---:|---:|---:|']
+  timed = [r for r in rows if 'step_s' in r]
   for r in rows:
     ref = by.get((r['shape'], 'unrolled', r['program']))
     speedup = (f"{ref['compile_s'] / r['compile_s']:.1f}x" if ref else '')
@@ -190,6 +234,18 @@ def table(rows) -> str:
         f"| {r['compile_s']:.1f} ({r['compile_min_s']:.1f}-"
         f"{r['compile_max_s']:.1f}) | {speedup} | {mib(r['memory_bytes'])} | "
         f"{mib(r['temp_bytes'])} |")
+  if timed:
+    lines += ['', '| shape | stage-2 step, tokens | setting | step s '
+              '(min-max) | tokens/s | x unrolled |', '|---|---|---|---:|'
+              '---:|---:|']
+    for r in timed:
+      ref = by.get((r['shape'], 'unrolled', r['program']))
+      ratio = (f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
+               if ref and 'tokens_per_s' in ref else '')
+      lines.append(
+          f"| {r['shape']} | {r['batch']} x {r['length']} | {r['setting']} "
+          f"| {r['step_s']:.2f} ({r['step_min_s']:.2f}-{r['step_max_s']:.2f})"
+          f" | {r['tokens_per_s']:.1f} | {ratio} |")
   return '\n'.join(lines)
 
 
@@ -202,11 +258,20 @@ def main(argv=None) -> int:
                  help='cache length of the decode step')
   p.add_argument('--train_len', type=int, default=4096,
                  help='tokens of the stage-2 step (batch 1)')
+  p.add_argument('--train_batch', type=int, default=1,
+                 help='rows of the stage-2 step')
+  p.add_argument('--time_stage2', action='store_true',
+                 help='also run the stage-2 step on random data and report '
+                 'its time and tokens/s')
   p.add_argument('--reps', type=int, default=3)
   p.add_argument('--tiny', action='store_true',
                  help='a 3-layer stand-in (CPU dry runs, tests)')
   p.add_argument('--out', default='results/scan_layers')
   args = p.parse_args(argv)
+  # Every compilation really compiles: no persistent cache (the tests set
+  # one through JAX_COMPILATION_CACHE_DIR), and jax's in-memory caches are
+  # cleared before each (compile_once).
+  jax.config.update('jax_enable_compilation_cache', False)
   settings = [s for s in args.settings.split(',') if s]
   bad = sorted(set(settings) - set(SETTINGS))
   if bad or not settings:
@@ -214,7 +279,8 @@ def main(argv=None) -> int:
   shapes = [s for s in args.shapes.split(',') if s]
   for s in shapes:
     shape_config(s)  # unknown names fail before any compilation
-  if min(args.prefill_len, args.decode_len, args.train_len, args.reps) < 1:
+  if min(args.prefill_len, args.decode_len, args.train_len, args.reps,
+         args.train_batch) < 1:
     p.error('lengths and --reps must be >= 1')
   lengths = {'prefill': args.prefill_len, 'decode': args.decode_len,
              'stage2_step': args.train_len}
@@ -224,7 +290,9 @@ def main(argv=None) -> int:
   rows = []
   for shape in shapes:
     rows += measure(shape, settings, lengths, args.reps, args.tiny,
-                    progress=lambda m: print(f'  compiling {m}', flush=True))
+                    progress=lambda m: print(f'  {m}', flush=True),
+                    train_batch=args.train_batch,
+                    time_stage2=args.time_stage2)
   info = dict(jax=jax.__version__, backend=jax.default_backend(),
               device_kind=jax.devices()[0].device_kind,
               cpu_count=os.cpu_count(), python=platform.python_version(),

@@ -15,7 +15,7 @@ dim; F = 0 for dense attention):
                          a chunk behind it: decode attends exactly and never
                          reads the state, so it folds the tokens leaving the
                          window a chunk at a time and the next prefill
-                         folds the rest first (docs/ARCHITECTURE.md, 2).
+                         folds the rest first (docs/ARCHITECTURE.md, 3).
 The cache is passed into the model and returned updated (no mutable
 collections), so prefill and decode are pure functions that can donate it.
 """

@@ -294,17 +294,20 @@ class Attention(nn.Module):
     # path, also for a prompt too short to give every shard a window).
     fn = backend.context_parallel_prefill(t, b) or backend.prefill(b)
     # The state must hold every token before the W-token prefix: fold what
-    # decode steps left (none after a prefill; under a chunk after decode
-    # steps; the whole cache is read only for a cache built otherwise).
+    # decode steps left, a chunk per iteration (none after a prefill; one
+    # after decode steps, which leave under a chunk; more only for a cache
+    # built otherwise), so the temporaries stay a chunk's whatever the
+    # cache's length.
     upto = jnp.maximum(start - a.window, 0)
-    behind = jnp.max(upto - cache.folded)
-    initial, _ = nn.switch(
-        jnp.where(behind <= 0, 0, jnp.where(behind <= a.chunk_size, 1, 2)),
-        [lambda mdl, *args: (attn_lib.LinearState(cache.S, cache.z),
-                             cache.folded),
-         functools.partial(Attention._fold_behind, n=a.chunk_size),
-         functools.partial(Attention._fold_behind, n=cache.max_len)],
-        self, k_cache, v_cache, cache, upto)
+
+    def fold_chunk(mdl, carry):
+      state, folded = carry
+      return mdl._fold_behind(k_cache, v_cache, cache.replace(
+          S=state.S, z=state.z, folded=folded), upto, n=a.chunk_size)
+
+    initial, _ = nn.while_loop(
+        lambda mdl, carry: jnp.any(carry[1] < upto), fold_chunk, self,
+        (attn_lib.LinearState(cache.S, cache.z), cache.folded))
     y, state = fn(
         q, k, v, phi_q, phi_k, gamma, window=a.window,
         chunk_size=a.chunk_size, lengths=lengths, initial_state=initial,
@@ -323,7 +326,8 @@ class Attention(nn.Module):
     state = attn_lib.fold_into_state(
         attn_lib.LinearState(cache.S, cache.z), self.key_features(fk), fv,
         (pos < upto[:, None]) & (pos >= self.config.attention.sinks))
-    return state, jnp.clip(cache.folded + n, cache.folded, upto)
+    return state, jnp.maximum(cache.folded,
+                              jnp.minimum(cache.folded + n, upto))
 
   def _decode(self, q, k, v, cache: cache_lib.LayerCache, lengths):
     cfg = self.config

@@ -259,7 +259,7 @@ def test_scan_layers_benchmark_tiny(tmp_path):
   cmd = [sys.executable, 'benchmarks/scan_layers.py', '--tiny', '--shapes',
          'smollm2', '--settings', 'unrolled,scan_remat_full', '--reps', '2',
          '--prefill_len', '24', '--decode_len', '20', '--train_len', '17',
-         '--out', str(tmp_path)]
+         '--train_batch', '2', '--time_stage2', '--out', str(tmp_path)]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                         timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -274,10 +274,18 @@ def test_scan_layers_benchmark_tiny(tmp_path):
     assert len(r['compile_times_s']) == 2
     assert 0 < r['compile_min_s'] <= r['compile_s'] <= r['compile_max_s']
     assert r['memory_bytes'] > 0
+    assert r['batch'] == (2 if program == 'stage2_step' else 1)
+    if program == 'stage2_step':  # --time_stage2: it ran
+      assert len(r['step_times_s']) == 2
+      assert 0 < r['step_min_s'] <= r['step_s'] <= r['step_max_s']
+      assert r['tokens_per_s'] == pytest.approx(2 * 17 / r['step_s'])
+    else:
+      assert 'step_s' not in r
   assert result['machine']['settings']['scan_remat_full'] == {
       'scan_layers': True, 'remat': 'full'}
-  assert '| stage2_step | 17 | scan_remat_full |' in (
-      tmp_path / 'report.md').read_text()
+  report = (tmp_path / 'report.md').read_text()
+  assert '| stage2_step | 17 | scan_remat_full |' in report
+  assert '| smollm2 | 2 x 17 | scan_remat_full |' in report
   assert (tmp_path / 'scan_layers.png').stat().st_size > 0
   with pytest.raises(SystemExit):
     bench.main(['--settings', 'unrolled,bogus'])

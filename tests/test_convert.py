@@ -28,7 +28,7 @@ from orthros_jax.data import make_dataset
 from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import loading
 from orthros_jax.model import Transformer
-from orthros_jax.model import unstack_layers
+from orthros_jax.model import stack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.config import model_config_from
 from orthros_jax.training.train_lm import train_and_evaluate
@@ -269,9 +269,9 @@ def test_convert_on_a_mesh_equals_one_device(converted, teacher_dir,
 def test_convert_with_layers_scanned_equals_unrolled(converted, teacher_dir,
                                                      tmp_path):
   """--config.model.scan_layers=True --config.model.remat=dots_no_batch:
-  both stages train the same losses as the unrolled run, the checkpoint
-  holds the stacked layout with a config that says so, and the adapter
-  (unrolled on disk) equals the unrolled run's."""
+  both stages train the same losses as the unrolled run (their checkpoints
+  stacked), and the final checkpoint and the adapter, both unrolled on
+  disk, equal the unrolled run's."""
   workdir, report = converted
   c = _convert_config(teacher_dir)
   c.model = dict(scan_layers=True, remat='dots_no_batch')
@@ -280,14 +280,33 @@ def test_convert_with_layers_scanned_equals_unrolled(converted, teacher_dir,
     rows = lambda d: [json.loads(l)['loss'] for l in
                       open(d / stage / 'metrics.jsonl') if '"loss"' in l]
     np.testing.assert_allclose(rows(tmp_path), rows(workdir), rtol=1e-5)
-  params, config, _ = ckpt_lib.load_params(tmp_path / 'orthros')
-  assert config['scan_layers'] and 'layers' in params
+  stage2, _, _ = ckpt_lib.load_params(tmp_path / 'stage2')
+  assert 'layers' in stage2['base'] and 'layers_0' not in stage2['base']
+  got, config, _ = ckpt_lib.load_params(tmp_path / 'orthros')
+  assert not config['scan_layers'] and config['remat'] == 'none'
   ref, _, _ = ckpt_lib.load_params(workdir / 'orthros')
-  got = unstack_layers(params)
-  for path, a in jax.tree_util.tree_flatten_with_path(ref)[0]:
-    b = functools.reduce(lambda t, k: t[k.key], path, got)
+  assert jax.tree.structure(got) == jax.tree.structure(ref)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref)[0],
+                          jax.tree.leaves(got)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4,
                                atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  # The workdir's own stage-2 checkpoint (stacked) exports the same adapter.
+  adapter_lib.export_from_conversion(tmp_path, tmp_path / 'exported')
+  _, exported = adapter_lib.read_adapter(tmp_path / 'exported')
+  assert set(exported) == set(
+      adapter_lib.read_adapter(tmp_path / 'adapter')[1])
+  # Applied to a scanned base, the adapter gives the stacked layout of the
+  # model it gives an unrolled base.
+  t_cfg, t_params = _teacher(teacher_dir)
+  cfg_u, merged_u = adapter_lib.apply_adapter(tmp_path / 'adapter', t_cfg,
+                                              t_params)
+  cfg_s, merged_s = adapter_lib.apply_adapter(
+      tmp_path / 'adapter', t_cfg.replace(scan_layers=True),
+      stack_layers(t_params))
+  assert cfg_s == cfg_u.replace(scan_layers=True)
+  for a, b in zip(jax.tree.leaves(stack_layers(merged_u)),
+                  jax.tree.leaves(merged_s)):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
   _, want = adapter_lib.read_adapter(workdir / 'adapter')
   meta, have = adapter_lib.read_adapter(tmp_path / 'adapter')
   assert set(have) == set(want)

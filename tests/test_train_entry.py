@@ -13,6 +13,7 @@ import pytest
 from configs import tiny
 from orthros_jax.training import train_lm
 from orthros_jax.config import model_config_from
+from orthros_jax.model import stack_layers
 from orthros_jax.training.train_lm import train_and_evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +68,23 @@ def test_warm_start_from_another_run(tmp_path):
   with pytest.raises(ValueError, match='init_from'):
     train_and_evaluate(config, tmp_path / 'c')
   config.model.num_layers = 2
+  # A run with its layers scanned (and remat) warm-starts from the unrolled
+  # run's params, stacked, and trains.
+  config.model.scan_layers = True
+  config.model.remat = 'full'
+  train_lm.loop.train = spy
+  try:
+    third, history = train_and_evaluate(config, tmp_path / 'e')
+  finally:
+    train_lm.loop.train = original
+  assert int(third.step) == 2 and np.all(np.isfinite(
+      [h['loss'] for h in history]))
+  assert 'layers' in third.params and 'layers_0' not in third.params
+  for a, b in zip(jax.tree.leaves(captured['params']),
+                  jax.tree.leaves(stack_layers(first))):
+    np.testing.assert_array_equal(a, b)
+  config.model.scan_layers = False
+  config.model.remat = 'none'
   config.init_from = str(tmp_path / 'missing')
   with pytest.raises(FileNotFoundError):
     train_and_evaluate(config, tmp_path / 'd')

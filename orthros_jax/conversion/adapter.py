@@ -47,6 +47,8 @@ from orthros_jax.conversion import teacher as teacher_lib
 from orthros_jax.conversion.lora import DEFAULT_TARGETS
 from orthros_jax.conversion.lora import merge_lora
 from orthros_jax.conversion.transfer import TRANSFER_PARAMS
+from orthros_jax.model import stack_layers
+from orthros_jax.model import unstack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 
 WEIGHTS = 'adapter.safetensors'
@@ -59,7 +61,8 @@ def is_adapter(path: str | os.PathLike) -> bool:
 
 def base_fingerprint(config: ModelConfig, base_params: dict) -> dict:
   """The base model's shape and the sha256 of the q/k/v/o kernels the
-  adapter modifies (as float32 bytes)."""
+  adapter modifies (as float32 bytes); either layer layout."""
+  base_params = unstack_layers(base_params)
   digest = hashlib.sha256()
   for i in range(config.num_layers):
     attn = base_params[f'layers_{i}']['attn']
@@ -84,6 +87,9 @@ def write_adapter(out_dir: str | os.PathLike, config: ModelConfig,
   """
   if not config.is_orthros:
     raise ValueError('write_adapter needs the converted Orthros config')
+  # Stored unrolled whatever layout trained it (scan_layers, remat).
+  config = config.replace(scan_layers=False, remat='none')
+  params, lora = unstack_layers(params), unstack_layers(lora)
   tensors = {}
   for i in range(config.num_layers):
     layer = f'layers_{i}'
@@ -128,9 +134,12 @@ def adapter_parts(path: str | os.PathLike, base_config: ModelConfig,
   """(Orthros config, unmerged params, lora, meta) of an adapter on a dense
   base: the base weights with the adapter's feature maps and window
   weights, and its LoRA factors {layer: {proj: {'a', 'b'}}} ({} for a
-  stage-1 adapter), unmerged so that training can continue them."""
+  stage-1 adapter), unmerged so that training can continue them. The
+  adapter is stored unrolled; a scan_layers base gets config, params and
+  lora in its stacked layout."""
   meta, tensors = read_adapter(path)
   config = model_config_from(meta['model_config'])
+  base_params = unstack_layers(base_params)
   where = os.path.join(os.fspath(path), CONFIG)
   fingerprint = base_fingerprint(base_config, base_params)
   if fingerprint['shape'] != meta['base']['shape']:
@@ -163,6 +172,10 @@ def adapter_parts(path: str | os.PathLike, base_config: ModelConfig,
         lora.setdefault(layer, {})[proj] = {
             'a': jnp.asarray(tensors[key]),
             'b': jnp.asarray(tensors[f'{layer}.attn.{proj}.lora_b'])}
+  if base_config.scan_layers:
+    config = config.replace(scan_layers=True, remat=base_config.remat)
+    params = stack_layers(params)
+    lora = stack_layers(lora) if lora else lora
   return config, params, lora, meta
 
 

@@ -93,8 +93,8 @@ def evaluate_models(models: Mapping[str, tuple[ModelConfig, dict, str]],
 
 
 def unrolled(config: ModelConfig) -> ModelConfig:
-  """`config` with its layers unrolled and no remat (the adapter's
-  layout)."""
+  """`config` with its layers unrolled and no remat: the layout of the
+  final checkpoint and of the adapter, whatever trained them."""
   return config.replace(scan_layers=False, remat='none')
 
 
@@ -121,8 +121,6 @@ def convert(config, workdir: str | os.PathLike) -> dict:
 
   partitioner = sharding.Partitioner.from_config(plan.mesh)
   teacher, teacher_params, teacher_info = load_teacher(plan.teacher)
-  # The adapter files and stage-1-from-adapter read the unrolled layout.
-  unrolled_teacher = teacher_params
   teacher = teacher.replace(scan_layers=plan.scan_layers, remat=plan.remat)
   teacher_params = layers_for(teacher, teacher_params)
   student = orthros_config(teacher, attention)
@@ -145,18 +143,15 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   lora_start = None
   if from_adapter2:
     params1, lora_start, stage2_source = stage2_from_adapter(
-        from_adapter2, unrolled(student), unrolled(teacher),
-        unrolled_teacher, rank=rank, alpha=alpha, targets=lora_targets)
-    params1 = layers_for(student, params1)
-    lora_start = layers_for(student, lora_start)
+        from_adapter2, student, teacher, teacher_params, rank=rank,
+        alpha=alpha, targets=lora_targets)
     stage1_source = dict(stage2_source['stage1'],
                          from_adapter=stage2_source['from_adapter'],
                          workdir=stage2_source['workdir'])
     hist1 = []
   elif from_adapter:
     params1, stage1_source = stage1_from_adapter(
-        from_adapter, unrolled(student), unrolled(teacher), unrolled_teacher)
-    params1 = layers_for(student, params1)
+        from_adapter, student, teacher, teacher_params)
     hist1 = []
   else:
     state1, hist1 = loop.train(
@@ -206,14 +201,16 @@ def convert(config, workdir: str | os.PathLike) -> dict:
   out_dir = os.path.join(workdir, 'orthros')
   if not os.path.isdir(os.path.join(out_dir, 'checkpoints',
                                     str(total_steps))):
-    ckpt_lib.save_params(out_dir, final, student, step=total_steps)
+    # The result in the unrolled layout whatever trained it: eval.py,
+    # chat and export read it like any converted checkpoint.
+    ckpt_lib.save_params(out_dir, unstack_layers(final), unrolled(student),
+                         step=total_steps)
   if rank:
     # What the conversion adds, alone (feature maps, windows, LoRA): a few
     # MB to ship beside the teacher's own weights (conversion/adapter.py).
     adapter_lib.write_adapter(
-        os.path.join(workdir, 'adapter'), unrolled(student), unrolled_teacher,
-        unstack_layers(state2.params['base']),
-        unstack_layers(state2.params['lora']), alpha=alpha,
+        os.path.join(workdir, 'adapter'), student, teacher_params,
+        state2.params['base'], state2.params['lora'], alpha=alpha,
         provenance={'conversion_workdir': workdir, 'teacher': teacher_info,
                     'stage1': stage1_record,
                     'stage2_step': s2_cfg.num_steps,

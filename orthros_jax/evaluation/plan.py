@@ -151,7 +151,7 @@ class SpeedSpec:
       raise ValueError('speed.lengths is empty')
     steps = cfg.pop('decode_steps', 0)
     if steps != 0:
-      _positive(steps, 'speed.decode_steps')
+      steps = _positive(steps, 'speed.decode_steps')
     return cls(tuple(_positive(n, 'speed.lengths') for n in cfg['lengths']),
                decode_steps=steps,
                **{k: _positive(cfg[k], f'speed.{k}')

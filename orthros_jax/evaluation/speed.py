@@ -120,27 +120,30 @@ def _decode_fn(config: ModelConfig) -> Callable:
 def _decode_call(config: ModelConfig, params, n: int, batch: int,
                  steps: int, reps: int) -> Callable[[], None]:
   """A call that runs `steps` decode steps of `batch` sequences over a cache
-  holding n tokens (its contents do not change the cost; its linear state
-  as a prefill leaves it), one new token per sequence per step, the cache
-  donated from step to step as in `generate`. Compiled by a first step
-  here, so the call runs the program compiled for the committed cache it
-  returns."""
+  holding n tokens, one new token per sequence per step, the cache donated
+  from step to step as in `generate`. Every call starts from n cached
+  tokens with the linear state as a prefill leaves it (folded = n - W), so
+  with steps = the chunk size and n >= W it holds exactly one fold (its
+  last step); the contents do not change the cost. Compiled by a first
+  call here, so the timed calls run the program compiled for the
+  committed cache."""
+  del reps  # every call starts over: the cache needs n + steps tokens
   folded = max(n - config.attention.window, 0) if config.is_orthros else 0
-  state = {'cache': cache_lib.map_layers(
-      lambda c: c.replace(lengths=jnp.full(c.lengths.shape, n, jnp.int32),
-                          folded=jnp.full(c.folded.shape, folded, jnp.int32)),
-      init_cache(config, batch, n + 2 + (reps + 1) * steps)),
-           'token': jnp.zeros((batch, 1), jnp.int32),
+  reset = lambda c: c.replace(
+      lengths=jnp.full(c.lengths.shape, n, jnp.int32),
+      folded=jnp.full(c.folded.shape, folded, jnp.int32))
+  state = {'cache': init_cache(config, batch, n + steps + 1),
            'step': jax.jit(_decode_fn(config), donate_argnums=2)}
 
   def run(k: int) -> None:
-    token, cache = state['token'], state['cache']
+    token = jnp.zeros((batch, 1), jnp.int32)
+    cache = cache_lib.map_layers(reset, state['cache'])
     for _ in range(k):
       token, cache = state['step'](params, token, cache)
       token = token[:, None]
-    state['token'], state['cache'] = jax.block_until_ready((token, cache))
+    state['cache'] = jax.block_until_ready(cache)
 
-  run(1)
+  run(steps)
   return lambda: run(steps)
 
 
