@@ -167,7 +167,7 @@ class ModelConfig:
   # Layers as one `nn.scan` over stacked params (compiled once, params
   # under 'layers' with a leading layer axis, the cache one LayerCache of
   # [L, ...] arrays) instead of L unrolled blocks 'layers_{i}';
-  # `model.stack_layers` / `unstack_layers` convert between the two.
+  # `layer_layout.stack_layers` / `unstack_layers` convert between the two.
   scan_layers: bool = False
   # Rematerialization of each block in training: one of REMAT_POLICIES
   # (model.py maps them to jax.checkpoint_policies).

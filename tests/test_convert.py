@@ -28,7 +28,7 @@ from orthros_jax.data import make_dataset
 from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import loading
 from orthros_jax.model import Transformer
-from orthros_jax.model import stack_layers
+from orthros_jax.layer_layout import stack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.config import model_config_from
 from orthros_jax.training.train_lm import train_and_evaluate

@@ -16,9 +16,9 @@ from orthros_jax.config import AttentionConfig
 from orthros_jax.config import ModelConfig
 from orthros_jax.generate import generate
 from orthros_jax.model import Transformer
-from orthros_jax.model import layers_for
-from orthros_jax.model import stack_layers
-from orthros_jax.model import unstack_layers
+from orthros_jax.layer_layout import layers_for
+from orthros_jax.layer_layout import stack_layers
+from orthros_jax.layer_layout import unstack_layers
 
 ORTHROS = AttentionConfig(kind='orthros', window=8, chunk_size=8,
                           feature_dim=6, feature_map='hedgehog', sinks=2)

@@ -26,7 +26,7 @@ from orthros_jax.attention.orthros import orthros_prefill
 from orthros_jax.attention.softmax import decode_attention
 from orthros_jax.conversion import stages
 from orthros_jax.conversion.lora import init_lora
-from orthros_jax.model import stack_layers
+from orthros_jax.layer_layout import stack_layers
 from jax.sharding import PartitionSpec as P
 
 from orthros_jax.sharding import Partitioner

@@ -13,7 +13,7 @@ import pytest
 from configs import tiny
 from orthros_jax.training import train_lm
 from orthros_jax.config import model_config_from
-from orthros_jax.model import stack_layers
+from orthros_jax.layer_layout import stack_layers
 from orthros_jax.training.train_lm import train_and_evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

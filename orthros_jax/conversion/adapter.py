@@ -47,8 +47,8 @@ from orthros_jax.conversion import teacher as teacher_lib
 from orthros_jax.conversion.lora import DEFAULT_TARGETS
 from orthros_jax.conversion.lora import merge_lora
 from orthros_jax.conversion.transfer import TRANSFER_PARAMS
-from orthros_jax.model import stack_layers
-from orthros_jax.model import unstack_layers
+from orthros_jax.layer_layout import stack_layers
+from orthros_jax.layer_layout import unstack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 
 WEIGHTS = 'adapter.safetensors'

@@ -17,8 +17,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from orthros_jax.model import stack_layers
-from orthros_jax.model import unstack_layers
+from orthros_jax.layer_layout import stack_layers
+from orthros_jax.layer_layout import unstack_layers
 
 Array = jax.Array
 DEFAULT_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
@@ -46,7 +46,7 @@ def init_lora(params: dict, rng: Array, *, rank: int = 8,
               dtype=jnp.float32) -> dict:
   """Adapters {layer: {proj: {'a': [in, r], 'b': [r, out]}}}; A ~ N(0, 1/in),
   B = 0, so the merged model starts equal to the base model. Stacked params
-  (scan_layers, `model.stack_layers`) get the same adapters stacked:
+  (scan_layers, `layer_layout.stack_layers`) get the same adapters stacked:
   {'layers': {proj: {'a': [L, in, r], 'b': [L, r, out]}}}."""
   if not isinstance(rank, int) or rank < 1:
     raise ValueError(f'lora rank={rank!r} must be an integer >= 1')

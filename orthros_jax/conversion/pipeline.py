@@ -56,8 +56,8 @@ from orthros_jax.conversion.teacher import load_teacher
 from orthros_jax.conversion.teacher import orthros_config
 from orthros_jax.data import get_tokenizer
 from orthros_jax.evaluation import inference
-from orthros_jax.model import layers_for
-from orthros_jax.model import unstack_layers
+from orthros_jax.layer_layout import layers_for
+from orthros_jax.layer_layout import unstack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.training import loop
 from orthros_jax.training import step as step_lib

@@ -20,8 +20,8 @@ from orthros_jax.config import ModelConfig
 from orthros_jax.config import model_config_from
 from orthros_jax.config import plain as _plain
 from orthros_jax.model import init_orthros_params
-from orthros_jax.model import layers_for
-from orthros_jax.model import unstack_layers
+from orthros_jax.layer_layout import layers_for
+from orthros_jax.layer_layout import unstack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 
 

@@ -37,7 +37,7 @@ from orthros_jax.config import plain
 from orthros_jax.data import get_tokenizer
 from orthros_jax.data import make_dataset
 from orthros_jax.model import Transformer
-from orthros_jax.model import layers_for
+from orthros_jax.layer_layout import layers_for
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.training import loop
 from orthros_jax.training import step as step_lib
@@ -130,7 +130,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike):
     # or a committed params checkpoint); optimizer and schedule start fresh.
     # Checked against this config before training starts.
     loaded, _, from_step = ckpt_lib.load_params(init_from)
-    # Either layer layout warm-starts either (model.layers_for).
+    # Either layer layout warm-starts either (layer_layout.layers_for).
     loaded = layers_for(model_config, loaded)
     ckpt_lib.check_params(model_config, loaded,
                           f'init_from={init_from} (step {from_step})')
