@@ -29,6 +29,14 @@ def _load(name):
   return module
 
 
+def _run(cmd):
+  """Runs a benchmark script on the CPU; it must exit 0."""
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
 def test_exact_tail_script(tmp_path):
   """An adapter of fresh feature maps on the committed tiny teacher: a tail
   covering the whole prompt decodes it exactly, so both rows generate what
@@ -58,9 +66,7 @@ def test_exact_attention_script(tmp_path):
          '40,130', '--blocks', '0,16,64', '--batch', '1', '--heads', '2',
          '--kv_heads', '1', '--head_dim', '8', '--reps', '3', '--out',
          str(tmp_path)]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _run(cmd)
   with open(tmp_path / 'results.json') as f:
     rows = json.load(f)['rows']
   assert {(r['length'], r['block'], r['what']) for r in rows} == {
@@ -82,9 +88,7 @@ def test_kernels_script_on_cpu(tmp_path):
          '--window', '16', '--chunk', '16', '--dense_block', '64',
          '--matmul_size', '128', '--copy_mb', '1', '--min_reps', '3',
          '--max_reps', '3', '--rep_budget_s', '5']
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _run(cmd)
   with open(tmp_path / 'kernels.json') as f:
     res = json.load(f)
   rows = res['measurements']
@@ -179,9 +183,7 @@ def test_device_model_tiny_writes_rows_for_every_variant(tmp_path):
   dispatch picked; no speed ordering is asserted."""
   cmd = [sys.executable, 'benchmarks/device_model.py', '--tiny', '--lengths',
          '64', '--reps', '3', '--out', str(tmp_path)]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _run(cmd)
   with open(tmp_path / 'model.json') as f:
     result = json.load(f)
   assert result['info']['backend'] == 'cpu' and result['info']['jax']
@@ -217,9 +219,7 @@ def test_decode_speed_tiny_writes_both_variants(tmp_path):
   ordering is asserted."""
   cmd = [sys.executable, 'benchmarks/decode_speed.py', '--tiny', '--lengths',
          '40,17', '--reps', '3', '--steps', '5', '--out', str(tmp_path)]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _run(cmd)
   with open(tmp_path / 'decode_speed.json') as f:
     result = json.load(f)
   assert result['machine']['backend'] == 'cpu'
@@ -260,9 +260,7 @@ def test_scan_layers_benchmark_tiny(tmp_path):
          'smollm2', '--settings', 'unrolled,scan_remat_full', '--reps', '1',
          '--prefill_len', '24', '--decode_len', '20', '--train_len', '17',
          '--train_batch', '2', '--time_stage2', '--out', str(tmp_path)]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        timeout=600, env=dict(os.environ, JAX_PLATFORMS='cpu'))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _run(cmd)
   with open(tmp_path / 'scan_layers.json') as f:
     result = json.load(f)
   rows = {(r['program'], r['setting']): r for r in result['rows']}

@@ -196,6 +196,12 @@ def converted(teacher_dir, tmp_path_factory):
   return workdir, report
 
 
+def _stage_losses(workdir, stage):
+  """The training losses a conversion stage logged, step by step."""
+  with open(workdir / stage / 'metrics.jsonl') as f:
+    return [json.loads(l)['loss'] for l in f if '"loss"' in l]
+
+
 def test_convert_writes_checkpoint_and_report(converted, teacher_dir):
   workdir, report = converted
   with open(workdir / 'report.json') as f:
@@ -253,9 +259,8 @@ def test_convert_on_a_mesh_equals_one_device(converted, teacher_dir,
   c.mesh.shape.tensor = 2
   sharded = pipeline.convert(c, tmp_path)
   for stage in ('stage1', 'stage2'):
-    rows = lambda d: [json.loads(l)['loss'] for l in
-                      open(d / stage / 'metrics.jsonl') if '"loss"' in l]
-    np.testing.assert_allclose(rows(tmp_path), rows(workdir), rtol=1e-5)
+    np.testing.assert_allclose(_stage_losses(tmp_path, stage),
+                               _stage_losses(workdir, stage), rtol=1e-5)
   params, _, _ = ckpt_lib.load_params(tmp_path / 'orthros')
   ref, _, _ = ckpt_lib.load_params(workdir / 'orthros')
   for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(params)):
@@ -277,9 +282,8 @@ def test_convert_with_layers_scanned_equals_unrolled(converted, teacher_dir,
   c.model = dict(scan_layers=True, remat='dots_no_batch')
   scanned = pipeline.convert(c, tmp_path)
   for stage in ('stage1', 'stage2'):
-    rows = lambda d: [json.loads(l)['loss'] for l in
-                      open(d / stage / 'metrics.jsonl') if '"loss"' in l]
-    np.testing.assert_allclose(rows(tmp_path), rows(workdir), rtol=1e-5)
+    np.testing.assert_allclose(_stage_losses(tmp_path, stage),
+                               _stage_losses(workdir, stage), rtol=1e-5)
   stage2, _, _ = ckpt_lib.load_params(tmp_path / 'stage2')
   assert 'layers' in stage2['base'] and 'layers_0' not in stage2['base']
   got, config, _ = ckpt_lib.load_params(tmp_path / 'orthros')
