@@ -113,7 +113,12 @@ def test_kernels_script_on_cpu(tmp_path):
 def test_auto_block_follows_the_backend(monkeypatch):
   monkeypatch.setattr(jax, 'default_backend', lambda: 'cpu')
   assert softmax._auto_block(256, 256) is None  # pylint: disable=protected-access
-  assert softmax._auto_block(257, 256) == 256  # pylint: disable=protected-access
+  # The CPU takes the block (256 or 128) with the least padded area, the
+  # larger on a tie.
+  for (t, s), block in {(257, 256): 128, (384, 384): 128, (512, 512): 256,
+                        (1000, 1000): 256, (64, 4096): 256,
+                        (640, 640): 128}.items():
+    assert softmax._auto_block(t, s) == block, (t, s)  # pylint: disable=protected-access
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   assert softmax._auto_block(1024, 1024) is None  # pylint: disable=protected-access
   assert softmax._auto_block(1025, 1024) == 512  # pylint: disable=protected-access
@@ -390,3 +395,63 @@ def test_linear_share_script(tmp_path):
     assert 0 < r['teacher_mean'] < 1 and 0 < r['orthros_mean'] < 1
   assert (out / 'linear_share.png').exists()
   assert '| Orthros / teacher |' in (out / 'report.md').read_text()
+
+
+def test_conversion_speed_step_times_from_both_metric_formats(tmp_path):
+  """A step's seconds are its counted tokens over their rate, for the loop
+  before 468b73a (tokens_per_s counts `tokens`) and after (tokens_per_s
+  counts input tokens, loss_tokens_per_s counts `tokens`); compile steps
+  and eval records are left out."""
+  cs = _load('conversion_speed')
+  old = {'step': 3, 'tokens': 48.0, 'tokens_per_s': 12.0}
+  new = {'step': 3, 'tokens': 48.0, 'input_tokens': 384.0,
+         'tokens_per_s': 384.0 / 2.5, 'loss_tokens_per_s': 48.0 / 2.5}
+  assert cs.step_seconds(old) == pytest.approx(4.0)
+  assert cs.step_seconds(new) == pytest.approx(2.5)
+  assert cs.step_seconds({'step': 1, 'tokens': 0.0, 'tokens_per_s': 0.0}) \
+      is None
+  (tmp_path / 'stage1').mkdir()
+  rows = [dict(new, step=s, loss_tokens_per_s=48.0 / s) for s in (1, 2, 3, 4)]
+  rows.insert(2, {'step': 2, 'eval/loss': 1.0})
+  (tmp_path / 'stage1' / 'metrics.jsonl').write_text(
+      '\n'.join(json.dumps(r) for r in rows) + '\n')
+  assert cs.stage_times(tmp_path, 'stage1', skip=2) == pytest.approx([3, 4])
+  with pytest.raises(ValueError, match='no timed step'):
+    cs.stage_times(tmp_path, 'stage1', skip=4)
+  with pytest.raises(FileNotFoundError, match='stage2'):
+    cs.stage_times(tmp_path, 'stage2', skip=0)
+
+
+def test_conversion_speed_summary_and_outputs(tmp_path, monkeypatch):
+  """Median over rounds of each round's median step; tokens/s and the ratio
+  to base follow from the step times; JSON, CSV, report and plot written."""
+  cs = _load('conversion_speed')
+  times = {'base': iter([{'wall_s': 1.0, 'stage1': [2.0, 4.0, 3.0],
+                          'stage2': [8.0, 8.0, 9.0]},
+                         {'wall_s': 1.0, 'stage1': [5.0, 5.0, 5.0],
+                          'stage2': [6.0, 7.0, 8.0]}]),
+           'head': iter([{'wall_s': 1.0, 'stage1': [1.0, 1.0, 2.0],
+                          'stage2': [2.0, 2.0, 2.0]},
+                         {'wall_s': 1.0, 'stage1': [1.0, 2.0, 2.0],
+                          'stage2': [4.0, 4.0, 5.0]}])}
+  monkeypatch.setattr(cs, 'worktree', lambda rev, scratch: tmp_path)
+  monkeypatch.setattr(cs, 'commit_of', lambda tree: 'abc')
+  monkeypatch.setattr(cs, 'run_once', lambda tree, args, workdir: next(
+      times['base' if 'base' in workdir.name else 'head']))
+  out = tmp_path / 'out'
+  assert cs.main(['--config', 'configs/convert_tiny.py:smoke', '--rounds',
+                  '2', '--scratch', str(tmp_path / 's'), '--out',
+                  str(out)]) == 0
+  rows = {(r['stage'], r['commit']): r for r in json.loads(
+      (out / 'conversion_speed.json').read_text())['rows']}
+  tps = 4 * 96  # convert_tiny.py:smoke, batch 4 x 96 tokens
+  assert rows['stage1', 'base']['step_s'] == pytest.approx(4.0)  # (3, 5)
+  assert rows['stage1', 'head']['step_s'] == pytest.approx(1.5)  # (1, 2)
+  assert rows['stage2', 'base']['step_s'] == pytest.approx(7.5)  # (8, 7)
+  assert rows['stage2', 'head']['step_s'] == pytest.approx(3.0)  # (2, 4)
+  assert rows['stage2', 'head']['speedup'] == pytest.approx(2.5)
+  assert rows['stage1', 'head']['tokens_per_s'] == pytest.approx(tps / 1.5)
+  assert rows['stage1', 'base']['tokens_per_s_min'] == pytest.approx(tps / 5)
+  assert rows['stage2', 'head']['tokens_per_s_max'] == pytest.approx(tps / 2)
+  for name in ('conversion_speed.csv', 'report.md', 'conversion_speed.png'):
+    assert (out / name).stat().st_size > 0

@@ -33,10 +33,20 @@ Array = jax.Array
 # (benchmarks/RESULTS.md); up to 256 x 256 the single einsum stays (1.7x
 # slower there, but milliseconds, and it compiles faster). Accelerators
 # keep the large single einsum, which they run as a few big matmuls.
+# Where a length is not a multiple of the block, padding to whole blocks
+# costs work: the CPU takes the candidate with the least padded block area,
+# the larger on a tie (at T = S = 384, blocks of 256 pad to 512 x 512 and
+# ran the tiny recipe's forward + backward 1.8x slower than blocks of 128;
+# benchmarks/RESULTS.md, "Conversion throughput").
 _NAIVE_MAX_PAIRS = {'cpu': 1 << 16}
 _NAIVE_MAX_PAIRS_DEFAULT = 1 << 20
-_DEFAULT_BLOCK = {'cpu': 256}
-_DEFAULT_BLOCK_OTHER = 512
+_BLOCKS = {'cpu': (256, 128)}
+_BLOCKS_OTHER = (512,)
+
+
+def _padded_area(t: int, s: int, block: int) -> int:
+  bq, bk = min(block, t), min(block, s)
+  return -(-t // bq) * bq * (-(-s // bk) * bk)
 
 
 def _auto_block(t: int, s: int) -> int | None:
@@ -45,7 +55,9 @@ def _auto_block(t: int, s: int) -> int | None:
   backend = jax.default_backend()
   if t * s <= _NAIVE_MAX_PAIRS.get(backend, _NAIVE_MAX_PAIRS_DEFAULT):
     return None
-  return _DEFAULT_BLOCK.get(backend, _DEFAULT_BLOCK_OTHER)
+  blocks = _BLOCKS.get(backend, _BLOCKS_OTHER)
+  # min() keeps the first of equal areas: the candidates run largest first.
+  return min(blocks, key=lambda blk: _padded_area(t, s, blk))
 
 
 def softmax_attention(q: Array, k: Array, v: Array, *, causal: bool = True,
