@@ -16,7 +16,12 @@ key block, kept in a rolling buffer carried by the scan. Every key before the
 block is older than the window of every query in the chunk, so its
 contribution is the carried float32 linear state (S, z). Inside the block the
 per-pair distance decides window softmax vs linear. After a chunk, the oldest
-buffered chunk leaves the block and is folded into (S, z).
+buffered chunk leaves the block and is folded into (S, z). The scan body
+holds its arrays head-major ([B, heads, C, dim]) so that each einsum is a
+batched matmul without a transpose (1.8x faster forward at 8K tokens on the
+CPU than token-major), and the linear part's einsum covers only the block's
+first (nb + 1) * C - W keys, the only ones that can be older than a query's
+window.
 Cost: O(T * ((nb + 1) * C * (D + F) + F * D)) per head, linear in T.
 
 Attention sinks (optional, `sinks=Sinks(...)`, StreamingLLM): the first N
@@ -172,32 +177,53 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
     x = jnp.pad(x, [(0, 0), (0, num_chunks * c - n)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(b, num_chunks, c, *x.shape[2:]), 1, 0)
 
+  def heads_first(x):  # [num_chunks, B, C, X, ...] -> [num_chunks, B, X, C, ...]
+    return jnp.moveaxis(chunked(x), 2, 3)
+
+  # The scan body works head-major ([B, heads, tokens, dim]), so that every
+  # einsum in it is a batched matmul without a transpose.
+  g = h // kh
+  qs = heads_first(q).reshape(num_chunks, b, kh, g, c, d)
+  ks_, vs, phiqs, phiks = map(heads_first, (k, v, phi_q, phi_k))
   # Linear-eligible keys: every key, sinks excepted.
   linear_ok = valid if sinks is None else valid & not_sink
-  xs = tuple(map(chunked, (q, k, v, phi_q, phi_k, valid, fold, linear_ok)))
-  xs = xs + (jnp.arange(num_chunks),)
-  buffer = (jnp.zeros((b, nb * c, kh, d)), jnp.zeros((b, nb * c, kh, d)),
-            jnp.zeros((b, nb * c, h, f)), jnp.zeros((b, nb * c), bool),
+  xs = (qs, ks_, vs, phiqs, phiks) + tuple(
+      map(chunked, (valid, fold, linear_ok))) + (jnp.arange(num_chunks),)
+  buffer = (jnp.zeros((b, kh, nb * c, d)), jnp.zeros((b, kh, nb * c, d)),
+            jnp.zeros((b, h, nb * c, f)), jnp.zeros((b, nb * c), bool),
             jnp.zeros((b, nb * c), bool), jnp.zeros((b, nb * c), bool))
 
   # Distance (query - key) inside a chunk's key block, and what it means.
   dist = (nb * c + jnp.arange(c)[:, None]) - jnp.arange((nb + 1) * c)[None, :]
   in_window = (dist >= 0) & (dist < window)  # [C, S]
-  is_older = dist >= window
-  gamma = f32(gamma)
+  # Older keys of the block lie in its first n_lin keys (the linear part's
+  # einsum runs over those alone: half the block at W = C).
+  n_lin = min((nb + 1) * c, max(0, (nb + 1) * c - window))
+  is_older = (dist >= window)[:, :n_lin]
+  gamma_g = f32(gamma).reshape(kh, g)[None, :, :, None, None]
+  if sinks is not None:
+    sink_k, sink_v = jnp.swapaxes(sink_k, 1, 2), jnp.swapaxes(sink_v, 1, 2)
+
+  def fold_chunk(state, phik, v, mask):
+    """fold_into_state for head-major phik [B, H, N, F], v [B, K, N, D]."""
+    phi = jnp.where(mask[:, None, :, None], phik, 0.0)
+    phi = phi.reshape(b, kh, g, -1, f)
+    ds = jnp.einsum('bkgnf,bknd->bkgfd', phi, v)
+    return LinearState(state.S + ds.reshape(b, h, f, d),
+                       state.z + jnp.sum(phi, axis=3).reshape(b, h, f))
 
   def step(carry, chunk):
     state, buf = carry
-    qc, kc, vc, phiq_c, phik_c, valid_c, fold_c, lin_c, index = chunk
-    kb, vb, phikb, validb, foldb, linb = (
-        jnp.concatenate([old, new], axis=1)
-        for old, new in zip(buf, (kc, vc, phik_c, valid_c, fold_c, lin_c)))
-    qg = qc.reshape(b, c, kh, h // kh, d)
+    qg, kc, vc, phiq_c, phik_c, valid_c, fold_c, lin_c, index = chunk
+    kb, vb, phikb = (jnp.concatenate([old, new], axis=2)
+                     for old, new in zip(buf[:3], (kc, vc, phik_c)))
+    validb, foldb, linb = (jnp.concatenate([old, new], axis=1)
+                           for old, new in zip(buf[3:], (valid_c, fold_c,
+                                                         lin_c)))
     scale = jnp.sqrt(jnp.float32(d))
-    # Window softmax part: [B, H, C, S].
-    scores = jnp.einsum('bckgd,bskd->bkgcs', qg, kb).reshape(b, h, c, -1)
-    scores = scores / scale
-    win = in_window[None, None] & validb[:, None, None, :]
+    # Window softmax part: [B, K, G, C, S].
+    scores = jnp.einsum('bkgcd,bksd->bkgcs', qg, kb) / scale
+    win = in_window[None, None, None] & validb[:, None, None, None, :]
     scores = jnp.where(win, scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     if sinks is not None:
@@ -207,38 +233,39 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
       sink_on = (sinks.valid[:, None, :] &
                  (tq[:, :, None] - j[None, None, :] >= window) &
                  (j[None, None, :] <= tq[:, :, None]))  # [B, C, N]
-      sink_scores = jnp.einsum('bckgd,bnkd->bkgcn', qg, sink_k).reshape(
-          b, h, c, num_sinks) / scale
-      sink_scores = jnp.where(sink_on[:, None], sink_scores, -jnp.inf)
+      sink_scores = jnp.einsum('bkgcd,bknd->bkgcn', qg, sink_k) / scale
+      sink_scores = jnp.where(sink_on[:, None, None], sink_scores, -jnp.inf)
       m = jnp.maximum(m, jnp.max(sink_scores, axis=-1, keepdims=True))
     m = stable_max(m)
-    weights = gamma[None, :, None, None] * jnp.exp(scores - m)
-    # Linear part for older keys inside the block.
-    lin = jnp.einsum('bchf,bshf->bhcs', phiq_c, phikb)
-    older = is_older[None, None] & linb[:, None, None, :]
-    weights = weights + jnp.where(older, lin, 0.0)
+    weights = gamma_g * jnp.exp(scores - m)
+    # Linear part for the older keys inside the block.
+    lin = jnp.einsum('bhcf,bhsf->bhcs', phiq_c, phikb[:, :, :n_lin])
+    older = is_older[None, None] & linb[:, None, None, :n_lin]
+    lin = jnp.where(older, lin, 0.0).reshape(b, kh, g, c, n_lin)
+    weights = jnp.concatenate([weights[..., :n_lin] + lin,
+                               weights[..., n_lin:]], axis=-1)
     # Numerator and denominator: block keys plus the carried state.
-    wg = weights.reshape(b, kh, h // kh, c, -1)
-    num = jnp.einsum('bkgcs,bskd->bckgd', wg, vb).reshape(b, c, h, d)
+    num = jnp.einsum('bkgcs,bksd->bkgcd', weights, vb)
+    den = jnp.sum(weights, axis=-1)  # [B, K, G, C]
     if sinks is not None:
-      sink_w = gamma[None, :, None, None] * jnp.exp(sink_scores - m)
-      num = num + jnp.einsum('bkgcn,bnkd->bckgd',
-                             sink_w.reshape(b, kh, h // kh, c, num_sinks),
-                             sink_v).reshape(b, c, h, d)
-      weights = jnp.concatenate([weights, sink_w], axis=-1)
-    num = num + jnp.einsum('bchf,bhfd->bchd', phiq_c, state.S)
-    den = jnp.sum(weights, axis=-1).transpose(0, 2, 1)  # [B, C, H]
-    den = den + jnp.einsum('bchf,bhf->bch', phiq_c, state.z)
-    y = normalize(num, den[..., None])
+      sink_w = gamma_g * jnp.exp(sink_scores - m)
+      num = num + jnp.einsum('bkgcn,bknd->bkgcd', sink_w, sink_v)
+      den = den + jnp.sum(sink_w, axis=-1)
+    num = num.reshape(b, h, c, d) + jnp.einsum('bhcf,bhfd->bhcd', phiq_c,
+                                               state.S)
+    den = den.reshape(b, h, c) + jnp.einsum('bhcf,bhf->bhc', phiq_c, state.z)
+    y = normalize(num, den[..., None])  # [B, H, C, D]
     # The oldest chunk of the block leaves it: fold it into the state.
-    leaving = tuple(x[:, :c] for x in (kb, vb, phikb, validb, foldb))
-    state = fold_into_state(state, leaving[2], leaving[1], leaving[4])
-    buf = tuple(x[:, c:] for x in (kb, vb, phikb, validb, foldb, linb))
+    state = fold_chunk(state, phikb[:, :, :c], vb[:, :, :c], foldb[:, :c])
+    buf = (kb[:, :, c:], vb[:, :, c:], phikb[:, :, c:], validb[:, c:],
+           foldb[:, c:], linb[:, c:])
     return (state, buf), y
 
   (state, buf), ys = jax.lax.scan(step, (state, buffer), xs)
   # Tokens still in the buffer (the last nb chunks) may also be older than
   # the last valid token's window.
-  state = fold_into_state(state, buf[2], buf[1], buf[4])
-  y = jnp.moveaxis(ys, 0, 1).reshape(b, num_chunks * c, h, d)[:, p:n]
+  state = fold_chunk(state, buf[2], buf[1], buf[4])
+  # [num_chunks, B, H, C, D] -> [B, num_chunks * C, H, D]
+  y = jnp.transpose(ys, (1, 0, 3, 2, 4)).reshape(b, num_chunks * c, h, d)
+  y = y[:, p:n]
   return y.astype(out_dtype), state
