@@ -86,9 +86,12 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.quality = dict(source='text', paths=f'{CORPUS}/heldout.jsonl',
                    seq_len=4096, batch_size=1, seed=5)
   # decode_steps: decode steps per timed call (0: the Orthros chunk size,
-  # so that every call holds one fold of the linear state).
+  # so that every call holds one fold of the linear state). variants: the
+  # rows timed side by side (dense, orthros, none = attention removed);
+  # e.g. --config.speed.variants="('orthros', 'none')" for the ceiling
+  # ratio at lengths where dense takes minutes.
   c.speed = dict(lengths=(1024, 2048, 4096, 8192), batch=1, decode_batch=1,
-                 reps=3, decode_steps=0)
+                 reps=3, decode_steps=0, variants=('dense', 'orthros', 'none'))
   # lm-evaluation-harness tasks (orthros_jax/evaluation/lm_harness.py); runs
   # only when tasks is not empty. num_fewshot: one count or {task: count};
   # < 0: each task's default;

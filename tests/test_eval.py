@@ -23,6 +23,7 @@ from orthros_jax.evaluation import cells
 from orthros_jax.evaluation import inference
 from orthros_jax.evaluation import loading
 from orthros_jax.evaluation import plan as plan_lib
+from orthros_jax.evaluation import report as report_lib
 from orthros_jax.evaluation import retrieval
 from orthros_jax.evaluation import routes
 from orthros_jax.evaluation import speed
@@ -146,6 +147,19 @@ def test_speed_rows_and_variants():
   ratios = speed.ratios(rows)
   assert [r['length'] for r in ratios] == [16, 40]
   assert all(r['dense_over_orthros_ttft'] > 0 for r in ratios)
+  # The section runs the variants it is given; the table shows both ratios.
+  assert plan_lib.SPEED_VARIANTS == speed.VARIANTS
+  part = suite.run_speed({'orthros': (ORTHROS, params, None)},
+                         {'lengths': (16,), 'variants': ('orthros', 'none'),
+                          'reps': 1}, progress=False)
+  assert [r['variant'] for r in part['rows']] == ['orthros', 'none']
+  (ratio,) = part['ratios']
+  assert ratio['dense_over_orthros_ttft'] is None
+  assert ratio['orthros_over_none_ttft'] == pytest.approx(
+      part['rows'][0]['ttft_s'] / part['rows'][1]['ttft_s'])
+  line = report_lib.speed_table(part).splitlines()[-1]
+  assert line.split(' | ')[4:6] == [
+      '-', f"{ratio['orthros_over_none_ttft']:.2f}x"]
   assert speed.variant_config(ORTHROS, 'none').attention.impl == 'none'
   assert not speed.variant_config(ORTHROS, 'dense').is_orthros
   with pytest.raises(ValueError, match='unknown'):
@@ -316,6 +330,10 @@ def test_eval_config_parsed_once_into_a_plan():
       ('speed', dict(lengths=(64,), rep=3), r"speed has unknown keys \['rep'"),
       ('speed', dict(lengths=(0,)), 'speed.lengths=0'),
       ('speed', dict(lengths=(64,), decode_steps=-1), 'speed.decode_steps'),
+      ('speed', dict(lengths=(64,), variants=('dense', 'none')),
+       'orthros among them'),
+      ('speed', dict(lengths=(64,), variants=('orthros', 'flash')),
+       r"speed.variants=\('orthros', 'flash'\)"),
       ('tasks', dict(passkey=dict(depths=(0.5,))), 'needs lengths'),
       ('tasks', dict(passkey=dict(lengths=(64, 96), num_examples=(2,))),
        'one per length'),

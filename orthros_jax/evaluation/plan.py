@@ -132,16 +132,23 @@ def task_specs(cfg: Mapping[str, Any] | Sequence[TaskSpec] | None
                for task, spec in plain(cfg).items())
 
 
+# The speed section's rows (orthros_jax/evaluation/speed.py, VARIANTS).
+SPEED_VARIANTS = ('dense', 'orthros', 'none')
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeedSpec:
   """Time to first token and decode speed at each prompt length (median of
   `reps`), batch `batch` for prefill and `decode_batch` for decode, each
-  timed decode call `decode_steps` steps (0: the Orthros chunk size)."""
+  timed decode call `decode_steps` steps (0: the Orthros chunk size), for
+  `variants` (a subset of SPEED_VARIANTS holding 'orthros': dense, Orthros,
+  attention removed)."""
   lengths: tuple[int, ...]
   batch: int = 1
   decode_batch: int = 1
   reps: int = 3
   decode_steps: int = 0
+  variants: tuple[str, ...] = ('dense', 'orthros', 'none')
 
   @classmethod
   def from_config(cls, cfg: Mapping[str, Any]) -> SpeedSpec:
@@ -152,8 +159,14 @@ class SpeedSpec:
     steps = cfg.pop('decode_steps', 0)
     if steps != 0:
       steps = _positive(steps, 'speed.decode_steps')
+    variants = cfg.pop('variants', SPEED_VARIANTS)
+    variants = (variants,) if isinstance(variants, str) else tuple(variants)
+    if (not set(variants) <= set(SPEED_VARIANTS) or 'orthros' not in variants
+        or len(set(variants)) != len(variants)):
+      raise ValueError(f'speed.variants={variants}: expected distinct names '
+                       f'of {SPEED_VARIANTS}, orthros among them')
     return cls(tuple(_positive(n, 'speed.lengths') for n in cfg['lengths']),
-               decode_steps=steps,
+               decode_steps=steps, variants=variants,
                **{k: _positive(cfg[k], f'speed.{k}')
                   for k in ('batch', 'decode_batch', 'reps') if k in cfg})
 

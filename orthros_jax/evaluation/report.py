@@ -61,8 +61,9 @@ def summary_table(rows: list[dict], quality: dict | None,
 
 def speed_table(speed: dict) -> str:
   lines = ['| length | dense TTFT ms | Orthros TTFT ms | no-attention TTFT ms '
-           '| dense / Orthros | dense decode tok/s | Orthros decode tok/s |',
-           '|---|---|---|---|---|---|---|']
+           '| dense / Orthros | Orthros / no attention | dense decode tok/s '
+           '| Orthros decode tok/s |',
+           '|---|---|---|---|---|---|---|---|']
   by = {(r['variant'], r['length']): r for r in speed['rows']}
   for ratio in speed['ratios']:
     n = ratio['length']
@@ -70,8 +71,8 @@ def speed_table(speed: dict) -> str:
     f = lambda r, k, s=1e3: f'{r[k] * s:.1f}' if r else '-'
     lines.append(
         f"| {n} | {f(d, 'ttft_s')} | {f(o, 'ttft_s')} | {f(z, 'ttft_s')} | "
-        + (f"{ratio['dense_over_orthros_ttft']:.2f}x"
-           if ratio['dense_over_orthros_ttft'] else '-')
+        + ' | '.join(f'{ratio[k]:.2f}x' if ratio[k] else '-' for k in (
+            'dense_over_orthros_ttft', 'orthros_over_none_ttft'))
         + f" | {f(d, 'decode_tokens_per_s', 1)} | "
           f"{f(o, 'decode_tokens_per_s', 1)} |")
   return '\n'.join(lines)

@@ -148,13 +148,14 @@ def run_speed(models, spec: plan_lib.SpeedSpec | Mapping[str, Any],
   if 'orthros' not in models:
     raise ValueError('the speed section needs the orthros model')
   config, params, _ = models['orthros']
-  with tqdm.tqdm(total=3 * len(spec.lengths), desc='speed',
+  with tqdm.tqdm(total=len(spec.variants) * len(spec.lengths), desc='speed',
                  disable=not progress, dynamic_ncols=True) as bar:
     def tick(what):
       bar.set_postfix_str(what)
       bar.update(1)
     rows = speed_lib.measure(
-        config, params, list(spec.lengths), batch=spec.batch,
+        config, params, list(spec.lengths), variants=spec.variants,
+        batch=spec.batch,
         decode_batch=spec.decode_batch, reps=spec.reps,
         decode_steps=spec.decode_steps or None, progress=tick)
   return {'rows': rows, 'ratios': speed_lib.ratios(rows)}
