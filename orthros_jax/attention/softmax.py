@@ -36,8 +36,8 @@ Array = jax.Array
 # Where a length is not a multiple of the block, padding to whole blocks
 # costs work: the CPU takes the candidate with the least padded block area,
 # the larger on a tie (at T = S = 384, blocks of 256 pad to 512 x 512 and
-# ran the tiny recipe's forward + backward 1.8x slower than blocks of 128;
-# benchmarks/RESULTS.md, "Conversion throughput").
+# ran the tiny recipe's shape forward + backward 1.8x slower than blocks of
+# 128: benchmarks/RESULTS.md, "Conversion throughput").
 _NAIVE_MAX_PAIRS = {'cpu': 1 << 16}
 _NAIVE_MAX_PAIRS_DEFAULT = 1 << 20
 _BLOCKS = {'cpu': (256, 128)}
