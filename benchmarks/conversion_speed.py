@@ -2,8 +2,8 @@
 
 Runs `convert.py --config=CONFIG` for a few steps of each stage in a git
 worktree of a base commit and in this checkout (or a second commit),
-alternating base and head `--rounds` times, and reads each stage's
-metrics.jsonl. Each logged step's wall time is its token count over its
+`--rounds` rounds of one run each (base first in even rounds, head first
+in odd ones), and reads each stage's metrics.jsonl. Each logged step's wall time is its token count over its
 rate (both written by the training loop at every commit); the first
 `--skip` steps of a stage (compilation) are left out. A round's figure is
 its median step; the table gives the median over rounds with min and max,
@@ -14,7 +14,12 @@ at both commits) and the head / base ratio.
   python benchmarks/conversion_speed.py --config configs/convert_tiny.py \
       --set teacher.checkpoint=assets/tiny_teacher --out results/conv_speed_tiny
   python benchmarks/conversion_speed.py --config configs/convert_smollm2.py \
-      --steps1 6 --steps2 6 --rounds 1 --out results/conv_speed_smollm2
+      --steps1 6 --steps2 6 --rounds 1 --eval_examples 1 \
+      --set stage1.warmup_steps=2 --set stage2.warmup_steps=2 \
+      --out results/conv_speed_smollm2
+
+(A stage of fewer steps than its warmup is refused by convert.py; the
+warmup changes the learning rate only, not the step's time.)
 
 The base default is ba9642b, the last commit before the conversion speed
 work (f771288 blocked exact attention, 468b73a trainable-only gradients);
@@ -73,10 +78,14 @@ def worktree(rev: str, scratch: pathlib.Path) -> pathlib.Path:
   """A detached worktree of `rev` with a `results` link to this checkout's."""
   tree = scratch / f'tree_{rev}'
   if not tree.exists():
-    subprocess.run(['git', '-C', str(ROOT), 'worktree', 'add', '--detach',
-                    str(tree), rev], check=True, capture_output=True)
+    proc = subprocess.run(['git', '-C', str(ROOT), 'worktree', 'add',
+                           '--detach', str(tree), rev], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode:
+      raise RuntimeError(f'git worktree add {tree} {rev} failed: '
+                         f'{proc.stderr.strip()}')
   link = tree / 'results'
-  if not link.exists() and (ROOT / 'results').is_dir():
+  if not (link.is_symlink() or link.exists()) and (ROOT / 'results').is_dir():
     link.symlink_to(ROOT / 'results')
   return tree
 
@@ -111,6 +120,12 @@ def run_once(tree: pathlib.Path, args, workdir: pathlib.Path) -> dict:
   if proc.returncode:
     raise RuntimeError(f'{" ".join(cmd)} failed in {tree} (exit '
                        f'{proc.returncode}); log: {workdir.with_suffix(".log")}')
+  data = json.loads((workdir / 'config.json').read_text())['data']
+  tokens = int(data['batch_size']) * int(data['seq_len'])
+  if tokens != args.tokens_per_step:
+    raise ValueError(f'{tree}: {tokens} tokens per step, not the '
+                     f'{args.tokens_per_step} of this checkout\'s config: the '
+                     'two commits do not run the same recipe')
   return {'wall_s': wall, **{s: stage_times(workdir, s, args.skip)
                              for s in STAGES}}
 
@@ -210,7 +225,8 @@ def main(argv=None) -> int:
           **{f'{n}_commit': commit_of(t) for n, t in trees.items()}}
   runs = {'base': [], 'head': []}
   for rnd in range(args.rounds):
-    for name in ('base', 'head'):
+    # base first in even rounds, head first in odd ones: no order bias.
+    for name in ('base', 'head')[::1 if rnd % 2 == 0 else -1]:
       workdir = scratch / f'run_{name}_{rnd}'
       print(f'round {rnd + 1}/{args.rounds}: {name} '
             f"({info[name + '_commit']}) ...", flush=True)
@@ -228,7 +244,8 @@ def main(argv=None) -> int:
     writer.writerows(rows)
   lines = [f"# Conversion throughput: `convert.py --config={args.config}`",
            '', f"base {info['base_commit']}, head {info['head_commit']}; "
-           f"{args.rounds} round(s) of base then head, steps {args.steps1} + "
+           f'{args.rounds} round(s) of base and head (alternating which '
+           f'goes first), steps {args.steps1} + '
            f'{args.steps2}, the first {args.skip} of each stage left out; '
            f'{args.tokens_per_step} input tokens per step.', '',
            '| stage | commit | step s (median) | tokens/s [min, max] | '

@@ -113,11 +113,11 @@ def test_kernels_script_on_cpu(tmp_path):
 def test_auto_block_follows_the_backend(monkeypatch):
   monkeypatch.setattr(jax, 'default_backend', lambda: 'cpu')
   assert softmax._auto_block(256, 256) is None  # pylint: disable=protected-access
-  # The CPU takes the block (256 or 128) with the least padded area, the
-  # larger on a tie.
+  # The CPU takes blocks of 128 only where they pad at least a quarter less
+  # area than blocks of 256.
   for (t, s), block in {(257, 256): 128, (384, 384): 128, (512, 512): 256,
                         (1000, 1000): 256, (64, 4096): 256,
-                        (640, 640): 128}.items():
+                        (640, 640): 128, (4096, 4128): 256}.items():
     assert softmax._auto_block(t, s) == block, (t, s)  # pylint: disable=protected-access
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   assert softmax._auto_block(1024, 1024) is None  # pylint: disable=protected-access

@@ -34,8 +34,9 @@ Array = jax.Array
 # slower there, but milliseconds, and it compiles faster). Accelerators
 # keep the large single einsum, which they run as a few big matmuls.
 # Where a length is not a multiple of the block, padding to whole blocks
-# costs work: the CPU takes the candidate with the least padded block area,
-# the larger on a tie (at T = S = 384, blocks of 256 pad to 512 x 512 and
+# costs work: the CPU takes a smaller candidate only where it pads at least
+# a quarter less block area (more, smaller blocks cost loop steps of their
+# own), else the larger (at T = S = 384, blocks of 256 pad to 512 x 512 and
 # ran the tiny recipe's shape forward + backward 1.8x slower than blocks of
 # 128: benchmarks/RESULTS.md, "Conversion throughput").
 _NAIVE_MAX_PAIRS = {'cpu': 1 << 16}
@@ -55,9 +56,12 @@ def _auto_block(t: int, s: int) -> int | None:
   backend = jax.default_backend()
   if t * s <= _NAIVE_MAX_PAIRS.get(backend, _NAIVE_MAX_PAIRS_DEFAULT):
     return None
-  blocks = _BLOCKS.get(backend, _BLOCKS_OTHER)
-  # min() keeps the first of equal areas: the candidates run largest first.
-  return min(blocks, key=lambda blk: _padded_area(t, s, blk))
+  blocks = _BLOCKS.get(backend, _BLOCKS_OTHER)  # largest first
+  best = blocks[0]
+  for blk in blocks[1:]:
+    if _padded_area(t, s, blk) <= 0.75 * _padded_area(t, s, best):
+      best = blk
+  return best
 
 
 def softmax_attention(q: Array, k: Array, v: Array, *, causal: bool = True,
