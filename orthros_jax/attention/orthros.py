@@ -22,7 +22,8 @@ batched matmul without a transpose (1.8x faster forward at 8K tokens on the
 CPU than token-major), and the linear part's einsum covers only the block's
 first (nb + 1) * C - W keys, the only ones that can be older than a query's
 window.
-Cost: O(T * ((nb + 1) * C * (D + F) + F * D)) per head, linear in T.
+Cost: O(T * ((nb + 1) * C * D + ((nb + 1) * C - W) * F + F * D)) per head,
+linear in T.
 
 Attention sinks (optional, `sinks=Sinks(...)`, StreamingLLM): the first N
 tokens of the sequence stay in every query's exact set, window or not:
