@@ -106,6 +106,37 @@ def decode_attention(q, k_cache, v_cache, lengths) -> np.ndarray:
   return out
 
 
+def attention_vjp(q, k, v, dout, q_pos, kv_len):
+  """The gradient of sum(dout * attention(q, k, v)) for exact attention:
+  (dq [B,T,H,D], dk, dv [B,S,K,D]). Query i of example b sits at q_pos[b, i]
+  and sees keys j <= q_pos[b, i] with j < kv_len[b] (q_pos = S - 1
+  everywhere for non-causal attention); a query that sees no key has
+  output 0 and no gradient. From the softmax Jacobian, one query at a
+  time: p = softmax(s), o = p V; dV += p dout, dp = V dout,
+  ds = p (dp - p . dp), dq = ds K / sqrt(D), dK += ds q / sqrt(D)."""
+  q, k, v, dout = _f64(q), _f64(k), _f64(v), _f64(dout)
+  b_, t_, h_, d_ = q.shape
+  group = h_ // k.shape[2]
+  dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+  for b in range(b_):
+    for h in range(h_):
+      kh = h // group
+      for i in range(t_):
+        n = min(int(q_pos[b, i]) + 1, int(kv_len[b]))
+        if n <= 0:
+          continue
+        keys, vals = k[b, :n, kh], v[b, :n, kh]
+        s = keys @ q[b, i, h] / np.sqrt(d_)
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        dv[b, :n, kh] += p[:, None] * dout[b, i, h][None, :]
+        dp = vals @ dout[b, i, h]
+        ds = p * (dp - p @ dp) / np.sqrt(d_)
+        dq[b, i, h] = ds @ keys
+        dk[b, :n, kh] += ds[:, None] * q[b, i, h][None, :]
+  return dq, dk, dv
+
+
 # ----------------------------------------------------------------------------
 # Orthros prefill: sliding-window softmax + linear attention on older keys.
 # ----------------------------------------------------------------------------

@@ -10,10 +10,19 @@ position of every query and the number of valid keys, and masks
 with a [T, S] score matrix; large ones use a blocked online softmax (flash
 attention written in XLA): query blocks are processed one after another and
 each streams over key blocks, skipping blocks that are entirely masked, so
-memory is O(block^2) per head instead of O(T * S).
+memory is O(block^2) per head instead of O(T * S). The blocked path has its
+own backward pass (`jax.custom_vjp`, flash attention's): it keeps only the
+output and each query's log-sum-exp, and one sweep over key blocks
+recomputes the probabilities and accumulates dQ, dK and dV, about 2.5
+forward passes of work. Autodiff through the forward loop (its scan, conds
+and a checkpoint per query block) took 5.2 forward passes at the SmolLM2
+shape and 4096 tokens (benchmarks/RESULTS.md, "Exact attention's
+backward").
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -153,7 +162,11 @@ def _attend_naive(q, k, v, q_pos, kv_len, *, causal):
   b, t, h, d = q.shape
   s, kh = k.shape[1], k.shape[2]
   qg = q.reshape(b, t, kh, h // kh, d)
-  scores = jnp.einsum('btkgd,bskd->bkgts', qg, k,
+  # Stale keys (j >= kv_len) are masked below; zeroed too, so that even a
+  # NaN there leaves the gradient of q finite.
+  written = (jnp.arange(s) < kv_len[:, None])[:, :, None, None]
+  scores = jnp.einsum('btkgd,bskd->bkgts', qg,
+                      jnp.where(written, k, jnp.zeros((), k.dtype)),
                       preferred_element_type=jnp.float32) / jnp.sqrt(d)
   mask = _mask(q_pos, kv_len, s, causal)[:, None, None]  # [B, 1, 1, T, S]
   scores = jnp.where(mask, scores, -jnp.inf)
@@ -175,45 +188,80 @@ def _pad_axis(x, axis, multiple, value=0):
 
 
 def _attend_blocked(q, k, v, q_pos, kv_len, *, causal, block):
-  b, t, h, d = q.shape
-  s, kh = k.shape[1], k.shape[2]
-  g = h // kh
+  return _blocked(q, k, v, q_pos, kv_len, causal, block)
+
+
+def _blocked_layout(q, k, v, q_pos, block):
+  """Block-major views: q [nq, B, bq, K, G, D], pos [nq, B, bq] (padding
+  queries at position -1), k and v [nk, B, bk, K, D], and (bq, bk)."""
+  b, t = q.shape[:2]
+  s, kh, d = k.shape[1:]
   bq, bk = min(block, t), min(block, s)
   # Pad to whole blocks; padded keys are masked by kv_len (< S), padded
-  # queries are dropped at the end.
-  qp = _pad_axis(q, 1, bq).reshape(b, -1, bq, kh, g, d)
+  # queries see no key and are dropped at the end.
   posp = _pad_axis(q_pos, 1, bq, value=-1).reshape(b, -1, bq)
   kp = _pad_axis(k, 1, bk).reshape(b, -1, bk, kh, d)
   vp = _pad_axis(v, 1, bk).reshape(b, -1, bk, kh, d)
-  nk = kp.shape[1]
-  k_blocks = jnp.moveaxis(kp, 1, 0)  # [nk, B, bk, K, D]
-  v_blocks = jnp.moveaxis(vp, 1, 0)
+  return (_query_blocks(q, kh, bq), jnp.moveaxis(posp, 1, 0),
+          jnp.moveaxis(kp, 1, 0), jnp.moveaxis(vp, 1, 0), bq, bk)
+
+
+def _query_blocks(x, kv_heads, bq):
+  """[B, T, H, D] -> [nq, B, bq, K, G, D], padded to whole blocks."""
+  b, _, h, d = x.shape
+  xp = _pad_axis(x, 1, bq).reshape(b, -1, bq, kv_heads, h // kv_heads, d)
+  return jnp.moveaxis(xp, 1, 0)
+
+
+def _block_scores(qb, kb, pos, start, kv_len, causal, scale):
+  """[B, K, G, bq, bk] float32 scores of a query block against a key block
+  starting at `start`, -inf where masked."""
+  sc = jnp.einsum('bqkgd,bskd->bkgqs', qb, kb,
+                  preferred_element_type=jnp.float32) * scale
+  j = start + jnp.arange(kb.shape[1], dtype=jnp.int32)
+  mask = j[None, None, :] < kv_len[:, None, None]
+  if causal:
+    mask = mask & (j[None, None, :] <= pos[:, :, None])
+  return jnp.where(mask[:, None, None], sc, -jnp.inf)
+
+
+def _block_needed(start, pos, max_len, causal):
+  """Whether a key block starting at `start` holds a key some query of the
+  block (positions `pos`) sees."""
+  needed = start < max_len
+  if causal:
+    needed = needed & (start <= jnp.max(pos))
+  return needed
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blocked(q, k, v, q_pos, kv_len, causal, block):
+  return _blocked_forward(q, k, v, q_pos, kv_len, causal, block)[0]
+
+
+def _blocked_forward(q, k, v, q_pos, kv_len, causal, block):
+  """(out [B, T, H, D] in q.dtype, lse [nq, B, K, G, bq] float32): the
+  online softmax over key blocks, one query block after another; lse is
+  each query's log-sum-exp (+inf for a query that sees no key), all the
+  backward pass keeps of the probabilities."""
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  g = h // kh
+  q_blocks, pos_blocks, k_blocks, v_blocks, bq, bk = _blocked_layout(
+      q, k, v, q_pos, block)
+  nk = k_blocks.shape[0]
   scale = 1.0 / jnp.sqrt(jnp.float32(d))
   max_len = jnp.max(kv_len)
 
-  # Recompute each query block's inner loop in the backward pass instead of
-  # storing its [bq, S] probabilities.
-  @jax.checkpoint
   def one_query_block(args):
     qb, pos = args  # [B, bq, K, G, D], [B, bq]
-    last_pos = jnp.max(pos)
 
     def visit(carry, xs):
-      m, l, acc = carry
       start, kb, vb = xs
-      needed = start < max_len
-      if causal:
-        needed = needed & (start <= last_pos)
 
       def compute(carry):
         m, l, acc = carry
-        sc = jnp.einsum('bqkgd,bskd->bkgqs', qb, kb,
-                        preferred_element_type=jnp.float32) * scale
-        j = start + jnp.arange(bk, dtype=jnp.int32)
-        mask = j[None, None, :] < kv_len[:, None, None]
-        if causal:
-          mask = mask & (j[None, None, :] <= pos[:, :, None])
-        sc = jnp.where(mask[:, None, None], sc, -jnp.inf)
+        sc = _block_scores(qb, kb, pos, start, kv_len, causal, scale)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         m_safe = stable_max(m_new)
         p = jnp.exp(sc - m_safe[..., None])
@@ -223,17 +271,91 @@ def _attend_blocked(q, k, v, q_pos, kv_len, *, causal, block):
             'bkgqs,bskd->bkgqd', p, _zero_invalid(vb, kv_len, start))
         return m_new, l, acc
 
+      needed = _block_needed(start, pos, max_len, causal)
       return jax.lax.cond(needed, compute, lambda c: c, carry), None
 
     init = (jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32),
             jnp.zeros((b, kh, g, bq), jnp.float32),
             jnp.zeros((b, kh, g, bq, d), jnp.float32))
     starts = jnp.arange(nk, dtype=jnp.int32) * bk
-    (_, l, acc), _ = jax.lax.scan(visit, init, (starts, k_blocks, v_blocks))
+    (m, l, acc), _ = jax.lax.scan(visit, init, (starts, k_blocks, v_blocks))
     o = normalize(acc, l[..., None])
-    return jnp.einsum('bkgqd->bqkgd', o)
+    lse = jnp.where(l > 0, stable_max(m) + jnp.log(jnp.where(l > 0, l, 1.0)),
+                    jnp.inf)
+    return jnp.einsum('bkgqd->bqkgd', o), lse
 
-  out = jax.lax.map(one_query_block,
-                    (jnp.moveaxis(qp, 1, 0), jnp.moveaxis(posp, 1, 0)))
+  out, lse = jax.lax.map(one_query_block, (q_blocks, pos_blocks))
   out = jnp.moveaxis(out, 0, 1).reshape(b, -1, h, d)[:, :t]
-  return out.astype(q.dtype)
+  return out.astype(q.dtype), lse
+
+
+def _blocked_fwd(q, k, v, q_pos, kv_len, causal, block):
+  out, lse = _blocked_forward(q, k, v, q_pos, kv_len, causal, block)
+  return out, (q, k, v, q_pos, kv_len, out, lse)
+
+
+def _blocked_bwd(causal, block, residuals, dout):
+  """Flash attention's backward pass in XLA: one sweep over key blocks,
+  each over the query blocks that see it, recomputing the probabilities
+  from lse; dK and dV accumulate per key block, dQ in place across key
+  blocks. About 2.5 forward passes of work, and no [T, S] residual."""
+  q, k, v, q_pos, kv_len, out, lse = residuals
+  b, t, h, d = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = h // kh
+  q_blocks, pos_blocks, k_blocks, v_blocks, bq, bk = _blocked_layout(
+      q, k, v, q_pos, block)
+  do_blocks = _query_blocks(dout.astype(jnp.float32), kh, bq)
+  # delta_i = sum_d dO_i O_i: the softmax Jacobian's row term.
+  delta = jnp.einsum('nbqkgd,nbqkgd->nbkgq', do_blocks,
+                     _query_blocks(out.astype(jnp.float32), kh, bq))
+  nq = q_blocks.shape[0]
+  scale = 1.0 / jnp.sqrt(jnp.float32(d))
+  max_len = jnp.max(kv_len)
+
+  def key_block(dq, xs):
+    start, kb, vb = xs
+    # Keys past kv_len get probability 0, but a stale or NaN row there
+    # must not reach dP or dQ (0 * NaN is NaN).
+    kz, vz = (_zero_invalid(x, kv_len, start) for x in (kb, vb))
+
+    def query_block(carry, i):
+      dq, dk, dv = carry
+      qb, pos = q_blocks[i], pos_blocks[i]
+
+      def compute(dk, dv):
+        sc = _block_scores(qb, kb, pos, start, kv_len, causal, scale)
+        p = jnp.exp(sc - lse[i][..., None])  # [B, K, G, bq, bk]
+        dob = do_blocks[i]  # [B, bq, K, G, D]
+        dv = dv + jnp.einsum('bkgqs,bqkgd->bskd', p, dob)
+        dp = jnp.einsum('bqkgd,bskd->bkgqs', dob, vz)
+        ds = p * (dp - delta[i][..., None]) * scale
+        dk = dk + jnp.einsum('bkgqs,bqkgd->bskd', ds,
+                             qb.astype(jnp.float32))
+        dq_i = jnp.einsum('bkgqs,bskd->bqkgd', ds, kz)
+        return dq_i, dk, dv
+
+      def skip(dk, dv):
+        return jnp.zeros((b, bq, kh, g, d), jnp.float32), dk, dv
+
+      needed = _block_needed(start, pos, max_len, causal)
+      dq_i, dk, dv = jax.lax.cond(needed, compute, skip, dk, dv)
+      dq = dq.at[i].add(dq_i)
+      return (dq, dk, dv), None
+
+    zeros = jnp.zeros((b, bk, kh, d), jnp.float32)
+    (dq, dk, dv), _ = jax.lax.scan(query_block, (dq, zeros, zeros),
+                                   jnp.arange(nq))
+    return dq, (dk, dv)
+
+  starts = jnp.arange(k_blocks.shape[0], dtype=jnp.int32) * bk
+  dq0 = jnp.zeros(q_blocks.shape, jnp.float32)
+  dq, (dk, dv) = jax.lax.scan(key_block, dq0, (starts, k_blocks, v_blocks))
+  dq = jnp.moveaxis(dq, 0, 1).reshape(b, -1, h, d)[:, :t]
+  dk = jnp.moveaxis(dk, 0, 1).reshape(b, -1, kh, d)[:, :s]
+  dv = jnp.moveaxis(dv, 0, 1).reshape(b, -1, kh, d)[:, :s]
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          None, None)
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
