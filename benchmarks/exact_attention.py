@@ -11,8 +11,10 @@ for a model's head shape, interleaved, median / min / max of `--reps`.
       --blocks 0,128,256,512 --out results/exact_attention
 
 Block 0 is the one-einsum path. Default shape: SmolLM2-135M (9 query heads,
-3 kv heads of 64), batch 2. Writes results.json, results.csv, report.md
-and exact_attention.png.
+3 kv heads of 64), batch 2. `--base REV` also times softmax.py as it was at
+git revision REV (loaded from `git show`, beside today's, in the same
+interleaved rounds): before / after a change in one run. Writes
+results.json, results.csv, report.md and exact_attention.png.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import csv
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +38,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 
 from orthros_jax.attention import softmax  # pylint: disable=wrong-import-position
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOW = 'now'
 
-def _fns(block: int):
+
+def softmax_at(rev: str) -> types.ModuleType:
+  """orthros_jax/attention/softmax.py as it was at git revision `rev`."""
+  path = 'orthros_jax/attention/softmax.py'
+  try:
+    src = subprocess.run(['git', 'show', f'{rev}:{path}'], cwd=ROOT,
+                         check=True, capture_output=True, text=True).stdout
+  except subprocess.CalledProcessError as e:
+    raise SystemExit(f'--base {rev}: git cannot show {path} there: '
+                     f'{e.stderr.strip()}') from e
+  mod = types.ModuleType(f'softmax_at_{rev}')
+  exec(compile(src, f'{rev}:{path}', 'exec'), mod.__dict__)  # pylint: disable=exec-used
+  return mod
+
+
+def _fns(block: int, softmax=softmax):  # pylint: disable=redefined-outer-name
   kw = {'block_size': block} if block else {}
   if not block:
     # Force the one-einsum path whatever the size.
@@ -54,7 +75,12 @@ def _fns(block: int):
 
 
 def run(lengths, blocks, *, batch: int, heads: int, kv_heads: int,
-        head_dim: int, reps: int) -> list[dict]:
+        head_dim: int, reps: int, base: str | None = None) -> list[dict]:
+  """Rows {length, code, block, what, median/min/max ms}: code is 'now' or
+  the --base revision."""
+  codes = {NOW: softmax}
+  if base:
+    codes[base] = softmax_at(base)
   rng = np.random.default_rng(0)
   rows = []
   for t in lengths:
@@ -62,31 +88,44 @@ def run(lengths, blocks, *, batch: int, heads: int, kv_heads: int,
                     jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((batch, t, kv_heads, head_dim)),
                         jnp.float32) for _ in range(2))
-    fns = {b: _fns(b) for b in blocks}
-    ref = None
-    for b, (f, g) in fns.items():  # compile, and check every path agrees
+    fns = {(c, b): _fns(b, mod) for c, mod in codes.items() for b in blocks}
+    ref = grad_ref = None
+    for (c, b), (f, g) in fns.items():  # compile; every path must agree
       out = np.asarray(jax.block_until_ready(f(q, k, v)))
-      jax.block_until_ready(g(q, k, v))
+      grads = [np.asarray(x) for x in jax.block_until_ready(g(q, k, v))]
       ref = out if ref is None else ref
-      err = float(np.max(np.abs(out - ref)))
+      grad_ref = grads if grad_ref is None else grad_ref
+      err = max([float(np.max(np.abs(out - ref)))] + [
+          float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
+          for x, y in zip(grads, grad_ref)])
       if err > 1e-4:
-        raise AssertionError(f'block {b} differs from block {blocks[0]} by '
+        raise AssertionError(f'{c} block {b} differs from the first path by '
                              f'{err} at T={t}')
-    times = {(b, w): [] for b in blocks for w in ('forward', 'grad')}
+    times = {(key, w): [] for key in fns for w in ('forward', 'grad')}
     for _ in range(reps):  # interleaved
-      for b, (f, g) in fns.items():
+      for key, (f, g) in fns.items():
         for what, fn in (('forward', f), ('grad', g)):
           t0 = time.perf_counter()
           jax.block_until_ready(fn(q, k, v))
-          times[(b, what)].append(time.perf_counter() - t0)
-    for (b, what), ts in times.items():
-      rows.append({'length': t, 'block': b, 'what': what,
+          times[(key, what)].append(time.perf_counter() - t0)
+    for ((c, b), what), ts in times.items():
+      rows.append({'length': t, 'code': c, 'block': b, 'what': what,
                    'median_ms': 1e3 * float(np.median(ts)),
                    'min_ms': 1e3 * min(ts), 'max_ms': 1e3 * max(ts),
                    'reps': reps})
-      print(f"T={t} block={b or 'einsum'} {what}: "
+      print(f"T={t} {c} block={b or 'einsum'} {what}: "
             f"{rows[-1]['median_ms']:.1f} ms", flush=True)
   return rows
+
+
+def _columns(rows) -> list[tuple[str, int]]:
+  """(code, block) pairs in the order they ran."""
+  return list(dict.fromkeys((r['code'], r['block']) for r in rows))
+
+
+def _label(code: str, block: int) -> str:
+  name = f'block {block}' if block else 'one einsum'
+  return name if code == NOW else f'{name} @{code}'
 
 
 def _plot(rows, path):
@@ -98,13 +137,13 @@ def _plot(rows, path):
     return None
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
   for ax, what in zip(axes, ('forward', 'grad')):
-    for b in sorted({r['block'] for r in rows}):
-      rs = sorted((r for r in rows if r['block'] == b and r['what'] == what),
-                  key=lambda r: r['length'])
+    for c, b in _columns(rows):
+      rs = sorted((r for r in rows if (r['code'], r['block']) == (c, b)
+                   and r['what'] == what), key=lambda r: r['length'])
       ax.errorbar([r['length'] for r in rs], [r['median_ms'] for r in rs],
                   yerr=[[r['median_ms'] - r['min_ms'] for r in rs],
                         [r['max_ms'] - r['median_ms'] for r in rs]],
-                  marker='o', label=f'block {b}' if b else 'one einsum')
+                  marker='o', label=_label(c, b))
     ax.set_xscale('log', base=2)
     ax.set_yscale('log')
     ax.set_xlabel('T = S (tokens)')
@@ -128,6 +167,8 @@ def main(argv=None) -> None:
   p.add_argument('--kv_heads', type=int, default=3)
   p.add_argument('--head_dim', type=int, default=64)
   p.add_argument('--reps', type=int, default=3)
+  p.add_argument('--base', default=None,
+                 help='also time softmax.py at this git revision')
   p.add_argument('--out', default='results/exact_attention')
   a = p.parse_args(argv)
   if a.reps < 3:
@@ -135,28 +176,28 @@ def main(argv=None) -> None:
   rows = run([int(x) for x in a.lengths.split(',')],
              [int(x) for x in a.blocks.split(',')], batch=a.batch,
              heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
-             reps=a.reps)
+             reps=a.reps, base=a.base)
   os.makedirs(a.out, exist_ok=True)
   meta = {'backend': jax.default_backend(), 'jax': jax.__version__,
           'python': platform.python_version(), 'cpu_count': os.cpu_count(),
           'shape': dict(batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
-                        head_dim=a.head_dim)}
+                        head_dim=a.head_dim), 'base': a.base}
   with open(os.path.join(a.out, 'results.json'), 'w') as f:
     json.dump({'machine': meta, 'rows': rows}, f, indent=1)
   with open(os.path.join(a.out, 'results.csv'), 'w', newline='') as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()
     w.writerows(rows)
-  blocks = sorted({r['block'] for r in rows})
+  columns = _columns(rows)
   lines = ['| T | pass | ' + ' | '.join(
-      f'block {b} ms' if b else 'one einsum ms' for b in blocks) + ' |',
-           '|---|---|' + '---|' * len(blocks)]
+      f'{_label(c, b)} ms' for c, b in columns) + ' |',
+           '|---|---|' + '---|' * len(columns)]
   for t in sorted({r['length'] for r in rows}):
     for what in ('forward', 'grad'):
       cells = []
-      for b in blocks:
+      for c, b in columns:
         r = next(r for r in rows if r['length'] == t and r['block'] == b
-                 and r['what'] == what)
+                 and r['code'] == c and r['what'] == what)
         cells.append(f"{r['median_ms']:.1f} [{r['min_ms']:.1f}, "
                      f"{r['max_ms']:.1f}]")
       lines.append(f'| {t} | {what} | ' + ' | '.join(cells) + ' |')

@@ -227,9 +227,8 @@ class Attention(nn.Module):
   def _forward(self, q, k, v, split):
     cfg = self.config
     backend = self.attention_backend
-    exact_fn = backend.exact()
     if not cfg.is_orthros:
-      return exact_fn(q, k, v, causal=True)
+      return backend.exact()(q, k, v, causal=True)
     a = cfg.attention
     b, t = q.shape[:2]
     phi_q, phi_k, gamma = self._orthros_inputs(
@@ -240,14 +239,17 @@ class Attention(nn.Module):
       extra['sinks'] = attn_lib.Sinks(k[:, :n], v[:, :n],
                                       jnp.ones((b, n), bool),
                                       jnp.zeros((b,), jnp.int32))
+    if split is not None:
+      # Rows at t >= split take the exact path: the prefill formula need not
+      # reach them (its valid length), the exact half skips the rows before.
+      split = jnp.broadcast_to(jnp.asarray(split, jnp.int32), (b,))
+      extra['lengths'] = split
     y, _ = backend.prefill(q.shape[0])(
         q, k, v, phi_q, phi_k, gamma, window=a.window, chunk_size=a.chunk_size,
         **extra)
     if split is None:
       return y
-    b, t = q.shape[:2]
-    split = jnp.broadcast_to(jnp.asarray(split, jnp.int32), (b,))
-    exact = exact_fn(q, k, v, causal=True)
+    exact = backend.exact_after_split()(q, k, v, split)
     use_prefill = jnp.arange(t)[None, :] < split[:, None]  # [B, T]
     return jnp.where(use_prefill[..., None, None], y, exact)
 

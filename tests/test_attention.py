@@ -500,6 +500,34 @@ def test_softmax_attention_gradient(t, s, h, k_heads, causal, block_size):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize('block_size', [None, 5, 16])
+def test_softmax_attention_skip_before(block_size):
+  """Queries before each example's skip_before give 0 and no gradient; the
+  rest, and every key's gradient, are exact causal attention's (ragged
+  skips over a batch of 3, one skipping nothing, one everything)."""
+  t, h, k_heads = 37, 4, 2
+  q, k, v = _softmax_inputs(54, 3, t, t, h, k_heads, D)
+  skip = np.asarray([0, 23, t], np.int32)
+  dout = np.random.default_rng(55).standard_normal(q.shape).astype(
+      np.float32)
+  fn = lambda q, k, v: attention.softmax_attention(
+      q, k, v, causal=True, block_size=block_size,
+      skip_before=jnp.asarray(skip))
+  y, vjp = jax.vjp(jax.jit(fn), *(jnp.asarray(x) for x in (q, k, v)))
+  needed = np.arange(t)[None, :] >= skip[:, None]  # [B, T]
+  want = np.where(needed[..., None, None],
+                  ref.softmax_attention(q, k, v, causal=True), 0.0)
+  assert_close(y, want)
+  pos = np.where(needed, np.arange(t)[None, :], -1)
+  expected = ref.attention_vjp(q, k, v, dout, pos, np.full(3, t))
+  for got, want in zip(vjp(jnp.asarray(dout)), expected):
+    assert_close(got, want)
+  with pytest.raises(ValueError, match='causal'):
+    attention.softmax_attention(jnp.asarray(q), jnp.asarray(k),
+                                jnp.asarray(v), causal=False,
+                                skip_before=jnp.asarray(skip))
+
+
 @pytest.mark.parametrize('block_size', [None, 4])
 def test_decode_attention_gradient_ignores_stale_cache(block_size):
   """Keys past each example's length (here NaN) get zero gradient and

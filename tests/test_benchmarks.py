@@ -64,18 +64,19 @@ def test_exact_tail_script(tmp_path):
 def test_exact_attention_script(tmp_path):
   cmd = [sys.executable, 'benchmarks/exact_attention.py', '--lengths',
          '40,130', '--blocks', '0,16,64', '--batch', '1', '--heads', '2',
-         '--kv_heads', '1', '--head_dim', '8', '--reps', '3', '--out',
-         str(tmp_path)]
-  _run(cmd)
+         '--kv_heads', '1', '--head_dim', '8', '--reps', '3', '--base',
+         'HEAD', '--out', str(tmp_path)]
+  _run(cmd)  # raises if a path's output or gradient disagrees
   with open(tmp_path / 'results.json') as f:
     rows = json.load(f)['rows']
-  assert {(r['length'], r['block'], r['what']) for r in rows} == {
-      (t, b, w) for t in (40, 130) for b in (0, 16, 64)
-      for w in ('forward', 'grad')}
+  assert {(r['length'], r['code'], r['block'], r['what']) for r in rows} == {
+      (t, c, b, w) for t in (40, 130) for c in ('now', 'HEAD')
+      for b in (0, 16, 64) for w in ('forward', 'grad')}
   for r in rows:
     assert r['reps'] == 3 and r['min_ms'] <= r['median_ms'] <= r['max_ms']
   assert (tmp_path / 'exact_attention.png').stat().st_size > 0
-  assert '| 130 | grad |' in (tmp_path / 'report.md').read_text()
+  report = (tmp_path / 'report.md').read_text()
+  assert '| 130 | grad |' in report and 'block 16 @HEAD ms' in report
 
 
 def test_kernels_script_on_cpu(tmp_path):

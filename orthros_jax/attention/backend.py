@@ -29,6 +29,7 @@ from orthros_jax.attention import dispatch
 from orthros_jax.attention.placement import Placement
 from orthros_jax.attention.sharded import sharded_flash_decode
 from orthros_jax.attention.sharded import sharded_linear_prefill
+from orthros_jax.attention.softmax import softmax_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,18 @@ class AttentionBackend:
     (`dispatch.exact_attention`)."""
     return dispatch.exact_attention(self.impl,
                                     on_mesh=self.placement is not None)
+
+  def exact_after_split(self) -> Callable:
+    """`(q, k, v, split) -> y`: causal attention of the queries at positions
+    t >= split[b] (the exact half of an Orthros model's split forward);
+    rows before the split are not used (0 on the XLA path, which skips the
+    query blocks no example needs, forward and backward; the flash kernels
+    compute every row)."""
+    fn = self.exact()
+    if fn is softmax_attention:
+      return lambda q, k, v, split: softmax_attention(
+          q, k, v, causal=True, skip_before=split)
+    return lambda q, k, v, split: fn(q, k, v, causal=True)
 
   def fresh_prompt(self) -> Callable | None:
     """Causal attention for a dense prompt written into an empty cache

@@ -262,7 +262,18 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
            foldb[:, c:], linb[:, c:])
     return (state, buf), y
 
-  (state, buf), ys = jax.lax.scan(step, (state, buffer), xs)
+  # Chunks past the longest example hold no query anyone reads and fold
+  # nothing (their keys are past every length): skipped, forward and
+  # backward (a split forward passes lengths = its split, so a row's
+  # exact half costs nothing here).
+  needed_below = p + jnp.max(lengths)
+
+  def step_or_skip(carry, chunk):
+    skip = lambda carry, _: (carry, jnp.zeros((b, h, c, d), jnp.float32))
+    return jax.lax.cond(chunk[-1] * c < needed_below, step, skip, carry,
+                        chunk)
+
+  (state, buf), ys = jax.lax.scan(step_or_skip, (state, buffer), xs)
   # Tokens still in the buffer (the last nb chunks) may also be older than
   # the last valid token's window.
   state = fold_chunk(state, buf[2], buf[1], buf[4])

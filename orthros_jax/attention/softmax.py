@@ -74,7 +74,8 @@ def _auto_block(t: int, s: int) -> int | None:
 
 
 def softmax_attention(q: Array, k: Array, v: Array, *, causal: bool = True,
-                      block_size: int | None = None) -> Array:
+                      block_size: int | None = None,
+                      skip_before: Array | None = None) -> Array:
   """Exact attention with GQA; queries aligned to the end of the keys.
 
   Args:
@@ -83,6 +84,11 @@ def softmax_attention(q: Array, k: Array, v: Array, *, causal: bool = True,
     causal: query i sits at position S - T + i and sees keys j <= S - T + i.
     block_size: None picks the naive path for small T * S and the blocked one
       otherwise; an int forces the blocked path with that block size.
+    skip_before: None, or [B] int: query i of example b is not needed when
+      its position is below skip_before[b] (the split forward of an Orthros
+      model computes those by the prefill formula); its output is 0 and it
+      passes no gradient, and the blocked path skips every query block that
+      no example needs, forward and backward.
 
   Returns:
     [B, T, H, D] in q.dtype.
@@ -91,6 +97,13 @@ def softmax_attention(q: Array, k: Array, v: Array, *, causal: bool = True,
   b, t = q.shape[:2]
   s = k.shape[1]
   q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + (s - t), (b, t))
+  if skip_before is not None:
+    if not causal:
+      raise ValueError('skip_before needs causal=True (it marks queries by '
+                       'their position, which only causal attention reads)')
+    # Position -1 sees no key (as a padding query does).
+    skip = jnp.broadcast_to(jnp.asarray(skip_before, jnp.int32), (b,))
+    q_pos = jnp.where(q_pos >= skip[:, None], q_pos, -1)
   kv_len = jnp.full((b,), s, jnp.int32)
   return _attend(q, k, v, q_pos, kv_len, causal=causal, block_size=block_size)
 
