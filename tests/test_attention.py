@@ -500,14 +500,37 @@ def test_softmax_attention_gradient(t, s, h, k_heads, causal, block_size):
     assert_close(got, want)
 
 
+def test_softmax_attention_gradient_bf16():
+  """bf16 inputs: the blocked backward returns bf16 gradients within bf16's
+  rounding (tol 2e-2, as the bf16 prefill test) of the float64 Jacobian of
+  the same bf16-rounded inputs."""
+  t, s, h, k_heads = 37, 37, 4, 2
+  q, k, v = (jnp.asarray(x, jnp.bfloat16)
+             for x in _softmax_inputs(56, 2, t, s, h, k_heads, D))
+  dout = np.random.default_rng(57).standard_normal(q.shape).astype(
+      np.float32)
+  grads = jax.jit(jax.grad(
+      lambda q, k, v: jnp.sum(attention.softmax_attention(
+          q, k, v, causal=True, block_size=8).astype(jnp.float32) * dout),
+      argnums=(0, 1, 2)))(q, k, v)
+  pos = np.broadcast_to(np.arange(t), (2, t))
+  expected = ref.attention_vjp(*(np.asarray(x.astype(jnp.float32))
+                                 for x in (q, k, v)), dout, pos,
+                               np.full(2, s))
+  for got, want in zip(grads, expected):
+    assert got.dtype == jnp.bfloat16
+    assert_close(got, want, tol=2e-2)
+
+
 @pytest.mark.parametrize('block_size', [None, 5, 16])
 def test_softmax_attention_skip_before(block_size):
   """Queries before each example's skip_before give 0 and no gradient; the
   rest, and every key's gradient, are exact causal attention's (ragged
-  skips over a batch of 3, one skipping nothing, one everything)."""
+  skips over a batch of 3, one skipping everything; the first 17 positions
+  are skipped by every row, so whole query blocks are left out)."""
   t, h, k_heads = 37, 4, 2
   q, k, v = _softmax_inputs(54, 3, t, t, h, k_heads, D)
-  skip = np.asarray([0, 23, t], np.int32)
+  skip = np.asarray([17, 23, t], np.int32)
   dout = np.random.default_rng(55).standard_normal(q.shape).astype(
       np.float32)
   fn = lambda q, k, v: attention.softmax_attention(
@@ -531,9 +554,10 @@ def test_softmax_attention_skip_before(block_size):
 @pytest.mark.parametrize('block_size', [None, 4])
 def test_decode_attention_gradient_ignores_stale_cache(block_size):
   """Keys past each example's length (here NaN) get zero gradient and
-  leave every other gradient finite and exact: ragged lengths, GQA."""
+  leave every other gradient finite and exact: ragged lengths, GQA, a
+  cache longer than every length (whole key blocks past them)."""
   lengths = np.asarray([29, 11, 5], np.int32)
-  q, k, v = _decode_inputs(63, lengths, 5, 29, 8, 2, D)
+  q, k, v = _decode_inputs(63, lengths, 5, 37, 8, 2, D)
   for i, n in enumerate(lengths):
     k[i, n:], v[i, n:] = np.nan, np.nan
   dout = np.random.default_rng(64).standard_normal(q.shape).astype(
