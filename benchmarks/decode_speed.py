@@ -1,14 +1,12 @@
 """Decode tokens/s, Orthros vs dense, on the SmolLM2-135M shape.
 
-Both decode with exact attention over the whole KV cache; Orthros also
-folds the tokens leaving its window into the linear state (S, z), which
-only a later prefill reads, a chunk at a time (docs/ARCHITECTURE.md,
-section 3). `evaluation/speed.measure_decode` times them interleaved: at
-each cache length both variants are compiled, then `reps` rounds of one
-call each in turn, every call `steps` decode steps from a cache of that
-length (default the chunk size, so every Orthros call holds exactly one
-fold when the length is at least the window); median, min and max per
-step.
+Both decode with exact attention over the whole KV cache; Orthros' decode
+never touches its linear state (S, z), which only a later prefill reads
+and which that prefill catches up first (docs/ARCHITECTURE.md, section 3).
+`evaluation/speed.measure_decode` times them interleaved: at each cache
+length both variants are compiled, then `reps` rounds of one call each in
+turn, every call `steps` decode steps from a cache of that length (default
+the chunk size); median, min and max per step.
 
   python benchmarks/decode_speed.py --out results/decode_speed
 
@@ -16,7 +14,7 @@ The shape is configs/convert_smollm2.py's (30 layers, d = 576, 9 / 3 heads
 of 64; window 64, 4 sinks, hedgehog feature_dim 64 so F = 128, chunk 64)
 with random weights: decode's time does not depend on their values. Beside
 the times: the bytes a step must read (the weights plus the K/V cache of
-that length, and for Orthros its share of the folds' state traffic) over
+that length, the same for both) over
 the copy bandwidth measured in the same run. Writes decode_speed.json,
 decode_speed.csv, report.md and decode_speed.png.
 """
@@ -64,18 +62,14 @@ def copy_bandwidth(mib: int = 256, reps: int = 10) -> float:
 
 def step_bytes(config, params, variant: str, n: int) -> int:
   """Bytes one decode step must read: every weight once (the tied
-  embedding too, as the logits' matrix) and the K/V cache of n tokens; for
-  Orthros plus a chunk's fold read and write of (S, z) spread over the
-  chunk's steps."""
+  embedding too, as the logits' matrix) and the K/V cache of n tokens (the
+  same for dense and Orthros, whose decode leaves (S, z) alone; `variant`
+  is kept for the rows' sake)."""
   itemsize = jnp.dtype(config.dtype).itemsize
   weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
   kv = 2 * n * config.num_kv_heads * config.head_dim * itemsize
-  total = weights + config.num_layers * kv
-  if variant == 'orthros':
-    a = config.attention
-    state = 4 * config.num_heads * a.state_dim * (config.head_dim + 1)
-    total += config.num_layers * 2 * state // a.chunk_size
-  return int(total)
+  del variant
+  return int(weights + config.num_layers * kv)
 
 
 def main(argv=None) -> int:

@@ -168,15 +168,17 @@ def memory(compiled) -> tuple[int | None, int | None]:
 
 def measure(shape: str, settings, lengths: dict, reps: int, tiny: bool,
             progress=print, train_batch: int = 1,
-            time_stage2: bool = False) -> list[dict]:
+            time_stage2: bool = False,
+            which: tuple[str, ...] = PROGRAMS) -> list[dict]:
   """One row per (setting, program): compile times (median, min, max over
   `reps` interleaved rounds: each round compiles every setting once) and
   the compiled program's memory. time_stage2: the stage-2 step also runs
   on random weights and data, `reps` interleaved rounds after one warm-up
-  call each (step_s median, min, max; tokens_per_s = tokens / step_s)."""
+  call each (step_s median, min, max; tokens_per_s = tokens / step_s).
+  which: the programs to measure (a subset of PROGRAMS)."""
   base = shape_config(shape, tiny)
   rows = []
-  for program in PROGRAMS:
+  for program in which:
     length = lengths[program]
     batch = train_batch if program == 'stage2_step' else 1
     fns = {s: programs(base.replace(**SETTINGS[s]), length, batch)[program]
@@ -263,6 +265,8 @@ def main(argv=None) -> int:
   p.add_argument('--time_stage2', action='store_true',
                  help='also run the stage-2 step on random data and report '
                  'its time and tokens/s')
+  p.add_argument('--programs', default=','.join(PROGRAMS),
+                 help=f'a subset of {",".join(PROGRAMS)}')
   p.add_argument('--reps', type=int, default=3)
   p.add_argument('--tiny', action='store_true',
                  help='a 3-layer stand-in (CPU dry runs, tests)')
@@ -276,6 +280,10 @@ def main(argv=None) -> int:
   bad = sorted(set(settings) - set(SETTINGS))
   if bad or not settings:
     p.error(f'--settings: unknown {bad}; choose from {list(SETTINGS)}')
+  which = tuple(s for s in args.programs.split(',') if s)
+  bad = sorted(set(which) - set(PROGRAMS))
+  if bad or not which:
+    p.error(f'--programs: unknown {bad}; choose from {list(PROGRAMS)}')
   shapes = [s for s in args.shapes.split(',') if s]
   for s in shapes:
     shape_config(s)  # unknown names fail before any compilation
@@ -292,11 +300,12 @@ def main(argv=None) -> int:
     rows += measure(shape, settings, lengths, args.reps, args.tiny,
                     progress=lambda m: print(f'  {m}', flush=True),
                     train_batch=args.train_batch,
-                    time_stage2=args.time_stage2)
+                    time_stage2=args.time_stage2, which=which)
   info = dict(jax=jax.__version__, backend=jax.default_backend(),
               device_kind=jax.devices()[0].device_kind,
               cpu_count=os.cpu_count(), python=platform.python_version(),
-              tiny=args.tiny, lengths=lengths, settings={
+              tiny=args.tiny, lengths=lengths, programs=list(which),
+              settings={
                   s: SETTINGS[s] for s in settings},
               wall_s=time.perf_counter() - t0, command=sys.argv)
   (out / 'scan_layers.json').write_text(json.dumps(

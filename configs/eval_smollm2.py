@@ -85,8 +85,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # a 2048-token prefix (through the inference path, and teacher-forced).
   c.quality = dict(source='text', paths=f'{CORPUS}/heldout.jsonl',
                    seq_len=4096, batch_size=1, seed=5)
-  # decode_steps: decode steps per timed call (0: the Orthros chunk size,
-  # so that every call holds one fold of the linear state). variants: the
+  # decode_steps: decode steps per timed call (0: the Orthros chunk size).
+  # variants: the
   # rows timed side by side (dense, orthros, none = attention removed);
   # e.g. --config.speed.variants="('orthros', 'none')" for the ceiling
   # ratio at lengths where dense takes minutes.

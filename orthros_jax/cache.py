@@ -11,11 +11,11 @@ dim; F = 0 for dense attention):
                          (sinks excepted: they stay exact)
   z        [B, H, F]     float32 normaliser of the same tokens
   folded   [B] int32     tokens accounted for in (S, z); after a prefill
-                         max(lengths - window, 0), after decode steps up to
-                         a chunk behind it: decode attends exactly and never
-                         reads the state, so it folds the tokens leaving the
-                         window a chunk at a time and the next prefill
-                         folds the rest first (docs/ARCHITECTURE.md, 3).
+                         max(lengths - window, 0). Decode attends exactly
+                         and never reads or writes the state, so after
+                         decode steps it lags by the tokens decoded, which
+                         the next prefill folds first, a chunk at a time
+                         (docs/ARCHITECTURE.md, 3).
 The cache is passed into the model and returned updated (no mutable
 collections), so prefill and decode are pure functions that can donate it.
 """

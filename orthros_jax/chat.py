@@ -8,8 +8,8 @@ attention over the whole conversation. Nothing before the turn is
 recomputed, so the time to first token of a turn grows with the turn, not
 with the conversation (tests/test_chat.py checks that the cache equals a
 full re-prefill of the conversation: K/V exactly, the linear state up to
-the tokens decode has not folded yet, under a chunk, which the next turn's
-prefill folds first).
+the tokens decoded since the last prefill, which decode never folds and
+the next turn's prefill folds first).
 
   python chat.py --teacher=results/smollm2/hf \
       --adapter=assets/smollm2_orthros --attention=orthros

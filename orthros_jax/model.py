@@ -10,10 +10,9 @@ phase='prefill'  a right-padded prompt (optionally continuing a cache):
                  Orthros hybrid attention (dense: exact), writes K/V and the
                  linear state into the cache.
 phase='decode'   T_q >= 1 new tokens with exact attention over the cache;
-                 appends them. Decode never reads the linear state, so the
-                 tokens leaving the window are folded into it a chunk at a
-                 time (`LayerCache.folded` says how far), and a continued
-                 prefill folds the rest first.
+                 appends them. Decode never reads or writes the linear
+                 state (`LayerCache.folded` says how far it reaches); a
+                 continued prefill first folds the tokens decoded since.
 Parameters and activations carry logical axis names (batch, length, embed,
 heads, kv_heads, head_dim, mlp, vocab, features) for sharding rules. The
 `backend` field (attention/backend.py) says which functions compute the
@@ -296,10 +295,9 @@ class Attention(nn.Module):
     # path, also for a prompt too short to give every shard a window).
     fn = backend.context_parallel_prefill(t, b) or backend.prefill(b)
     # The state must hold every token before the W-token prefix: fold what
-    # decode steps left, a chunk per iteration (none after a prefill; one
-    # after decode steps, which leave under a chunk; more only for a cache
-    # built otherwise), so the temporaries stay a chunk's whatever the
-    # cache's length.
+    # decode steps left (none after a prefill; every token decoded since,
+    # which decode never folds), a chunk per iteration, so the temporaries
+    # stay a chunk's whatever the cache's length.
     upto = jnp.maximum(start - a.window, 0)
 
     def fold_chunk(mdl, carry):
@@ -332,7 +330,6 @@ class Attention(nn.Module):
                               jnp.minimum(cache.folded + n, upto))
 
   def _decode(self, q, k, v, cache: cache_lib.LayerCache, lengths):
-    cfg = self.config
     b, t = q.shape[:2]
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
     k_cache, v_cache = cache_lib.write_kv(cache, k, v, valid)
@@ -342,23 +339,11 @@ class Attention(nn.Module):
     # read; its real queries see only written keys (causality).
     y = self.attention_backend.decode(t, b)(q, k_cache, v_cache,
                                             cache.lengths + t)
-    new_cache = cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
-    if cfg.is_orthros:
-      # The tokens leaving the window go into (S, z) a chunk at a time:
-      # an example folds once it is a chunk behind (each example by its own
-      # count, so its state never depends on its neighbours), reading and
-      # writing the F x D state once per chunk instead of once per token.
-      a = cfg.attention
-      upto = jnp.maximum(new_lengths - a.window, 0)
-      due = upto - cache.folded >= a.chunk_size
-      state, folded = nn.cond(
-          jnp.any(due),
-          functools.partial(Attention._fold_behind, n=a.chunk_size + t - 1),
-          lambda mdl, *args: (attn_lib.LinearState(cache.S, cache.z),
-                              cache.folded),
-          self, k_cache, v_cache, cache, jnp.where(due, upto, cache.folded))
-      new_cache = new_cache.replace(S=state.S, z=state.z, folded=folded)
-    return y, new_cache
+    # Decode never reads the linear state: it stays where the last prefill
+    # left it (`folded`), and the next continued prefill folds the tokens
+    # decoded since, a chunk per iteration (`_prefill`), so a decode step
+    # costs and compiles as dense decode does.
+    return y, cache.replace(k=k_cache, v=v_cache, lengths=new_lengths)
 
 
 class Block(nn.Module):

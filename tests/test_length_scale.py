@@ -58,7 +58,7 @@ def test_prefill_formula_with_length_scale(window, sinks, lengths):
   for i in range(b):
     n = t if lengths is None else lengths[i]
     np.testing.assert_allclose(y[i, :n], y_ref[i, :n], rtol=2e-5, atol=2e-6)
-  # The scale is on the queries: the state the decode fold continues is
+  # The scale is on the queries: the state a continued prefill folds into is
   # the plain one.
   np.testing.assert_allclose(state.S, s_ref, rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(state.z, z_ref, rtol=2e-5, atol=2e-5)

@@ -194,13 +194,12 @@ def _assert_state_is_sums(config, params, layer, b, lo, hi):
 @pytest.mark.parametrize('window,sinks', [(0, 0), (3, 0), (8, 0), (3, 2)])
 def test_linear_state_matches_sums_over_cached_keys(window, sinks):
   """After a prefill (S, z) are the section 3 sums over the cached keys
-  older than the window (sinks excluded); decode steps fold the tokens
-  leaving the window a chunk at a time (each example by its own count,
-  never more than a chunk behind), and a next-turn prefill folds the rest
-  first, so it continues exactly."""
+  older than the window (sinks excepted); decode steps leave the state and
+  `folded` as the prefill left them (each example by its own count), and a
+  next-turn prefill folds every token decoded since first, so it continues
+  exactly."""
   config = make_config(window=window, sinks=sinks)  # chunk 4
   params = init_params(config)
-  chunk = config.attention.chunk_size
   x = random_tokens(6, (2, 21))
   cache = oj.init_cache(config, 2, 24)
   _, cache = run(config, params, x[:, :10], phase='prefill', cache=cache,
@@ -208,6 +207,7 @@ def test_linear_state_matches_sums_over_cached_keys(window, sinks):
   steps = [(10, 12), (12, 13), (13, 14), (14, 15), (15, 16), (16, 17),
            (17, 19)]
   behind = set()
+  at_prefill = None
   for lo, hi in [(None, None)] + steps + [('prefill', 19)]:
     if lo == 'prefill':
       _, cache = run(config, params, x[:, hi:hi + 2], phase='prefill',
@@ -220,15 +220,20 @@ def test_linear_state_matches_sums_over_cached_keys(window, sinks):
         old = max(n - window, 0)
         if lo in (None, 'prefill'):
           assert folded == old
-        assert old - chunk < folded <= old
+        else:
+          assert folded == int(at_prefill[i].folded[b])
+          np.testing.assert_array_equal(layer.S[b], at_prefill[i].S[b])
+          np.testing.assert_array_equal(layer.z[b], at_prefill[i].z[b])
         behind.add(old - folded)
         _assert_state_is_sums(config, params, (i, layer), b,
                               min(sinks, folded), folded)
+    if lo in (None, 'prefill'):
+      at_prefill = cache
     n = int(cache[0].lengths[0])
   assert n == 21 and int(cache[0].lengths[1]) == 15
-  # The decode steps left the state behind and caught up (one and two new
-  # tokens a step).
-  assert max(behind) > 0 and 0 in behind
+  # The decode steps left the state behind by more than a chunk (one and
+  # two new tokens a step), and the prefill caught up.
+  assert max(behind) > config.attention.chunk_size and 0 in behind
 
 
 def test_continued_prefill_after_decode_folds_what_decode_left():
@@ -245,8 +250,9 @@ def test_continued_prefill_after_decode_folds_what_decode_left():
   for t in range(7, 16):
     _, cache = run(config, params, x[:, t:t + 1], phase='decode', cache=cache)
   assert (np.asarray(cache[0].lengths) == [16, 14]).all()
-  behind = np.asarray(cache[0].lengths) - 3 - np.asarray(cache[0].folded)
-  assert (behind > 0).all() and (behind < 4).all()
+  # Decode folded nothing: the state is the prefill's (7 - 3 and 5 - 3
+  # tokens) and every token decoded since is behind.
+  np.testing.assert_array_equal(cache[0].folded, [4, 2])
   rebuilt = tuple(c.replace(S=jnp.zeros_like(c.S), z=jnp.zeros_like(c.z),
                             folded=jnp.zeros_like(c.folded)) for c in cache)
   more = x[:, 16:22]

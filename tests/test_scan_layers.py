@@ -90,7 +90,7 @@ def test_scanned_layers_match_unrolled_in_every_phase(attention):
   np.testing.assert_array_equal(cache_lib.lengths(c2), [29 + 10 + 13,
                                                         17 + 10 + 6])
   assert cache_lib.num_layers(c2) == cache_lib.num_layers(c1) == 3
-  if cfg.is_orthros:  # decode left a fold behind; the last prefill caught up
+  if cfg.is_orthros:  # decode left the state behind; the last prefill caught up
     np.testing.assert_array_equal(c2.folded[0], cache_lib.lengths(c2) - 8)
 
 

@@ -8,11 +8,11 @@ length, for the same model shape with dense, Orthros and no attention.
                 variants' runs at the same length.
   decode(N)     decode steps of `decode_batch` sequences over a cache
                 holding N tokens (exact attention over the whole cache for
-                every variant; Orthros also folds the tokens leaving its
-                window into (S, z), a chunk at a time): each timed call runs
-                `decode_steps` steps (default the Orthros chunk size, so
-                every call holds exactly one fold), step time = the median
-                call / decode_steps, tokens/s = decode_batch / step time.
+                every variant; Orthros' decode never touches its linear
+                state, which the next prefill catches up): each timed call
+                runs `decode_steps` steps (default the Orthros chunk size),
+                step time = the median call / decode_steps, tokens/s =
+                decode_batch / step time.
   memory        XLA's compiled memory analysis of the prefill (arguments +
                 outputs + temporaries, bytes): a per-program peak estimate
                 that exists on every backend (CPU has no live memory stats).
@@ -122,9 +122,8 @@ def _decode_call(config: ModelConfig, params, n: int, batch: int,
   """A call that runs `steps` decode steps of `batch` sequences over a cache
   holding n tokens, one new token per sequence per step, the cache donated
   from step to step as in `generate`. Every call starts from n cached
-  tokens with the linear state as a prefill leaves it (folded = n - W), so
-  with steps = the chunk size and n >= W it holds exactly one fold (its
-  last step); the contents do not change the cost. Compiled by a first
+  tokens with the linear state as a prefill leaves it (folded = n - W; decode
+  leaves it there); the contents do not change the cost. Compiled by a first
   call here, so the timed calls run the program compiled for the
   committed cache."""
   del reps  # every call starts over: the cache needs n + steps tokens
