@@ -37,6 +37,10 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
+# The tiny teacher and conversion (session fixtures, shared by modules).
+from tests.conversion_fixtures import converted  # noqa: E402,F401
+from tests.conversion_fixtures import teacher_dir  # noqa: E402,F401
+
 
 @pytest.fixture(autouse=True, scope='module')
 def _free_compiled_programs():

@@ -18,7 +18,6 @@ import pytest
 
 import orthros_jax as oj
 from configs import convert_tiny
-from configs import tiny
 from orthros_jax.conversion import adapter as adapter_lib
 from orthros_jax.conversion import pipeline
 from orthros_jax.conversion import plan as plan_lib
@@ -26,12 +25,12 @@ from orthros_jax.conversion import teacher as teacher_lib
 from orthros_jax.data import get_tokenizer
 from orthros_jax.data import make_dataset
 from orthros_jax.evaluation import inference
-from orthros_jax.evaluation import loading
 from orthros_jax.model import Transformer
 from orthros_jax.layer_layout import stack_layers
 from orthros_jax.training import checkpoint as ckpt_lib
 from orthros_jax.config import model_config_from
-from orthros_jax.training.train_lm import train_and_evaluate
+from tests.conversion_fixtures import convert_config
+from tests.conversion_fixtures import load_teacher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings(
@@ -175,27 +174,6 @@ def test_save_and_load_params_roundtrip(tmp_path):
 # ------------------------------------------------------------ end to end
 
 
-def _convert_config(teacher_dir):
-  c = convert_tiny.get_config('smoke')
-  c.teacher.checkpoint = str(teacher_dir)
-  c.eval.num_examples = 4
-  return c
-
-
-@pytest.fixture(scope='module')
-def teacher_dir(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('teacher')
-  train_and_evaluate(tiny.get_config('smoke'), workdir)
-  return workdir
-
-
-@pytest.fixture(scope='module')
-def converted(teacher_dir, tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('converted')
-  report = pipeline.convert(_convert_config(teacher_dir), workdir)
-  return workdir, report
-
-
 def _stage_losses(workdir, stage):
   """The training losses a conversion stage logged, step by step."""
   with open(workdir / stage / 'metrics.jsonl') as f:
@@ -243,7 +221,7 @@ def test_convert_resumes_without_retraining(converted, teacher_dir):
   workdir, report = converted
   logs = {s: (workdir / s / 'metrics.jsonl').read_text()
           for s in ('stage1', 'stage2')}
-  again = pipeline.convert(_convert_config(teacher_dir), workdir)
+  again = pipeline.convert(convert_config(teacher_dir), workdir)
   for stage, text in logs.items():  # no step ran again
     assert (workdir / stage / 'metrics.jsonl').read_text() == text
   assert again['eval'] == report['eval']
@@ -254,7 +232,7 @@ def test_convert_on_a_mesh_equals_one_device(converted, teacher_dir,
   """--config.mesh.shape.fsdp=2 --config.mesh.shape.tensor=2: both stages
   run sharded (teacher placed in shards) and match the one-device run."""
   workdir, report = converted
-  c = _convert_config(teacher_dir)
+  c = convert_config(teacher_dir)
   c.mesh.shape.fsdp = 2
   c.mesh.shape.tensor = 2
   sharded = pipeline.convert(c, tmp_path)
@@ -278,7 +256,7 @@ def test_convert_with_layers_scanned_equals_unrolled(converted, teacher_dir,
   stacked), and the final checkpoint and the adapter, both unrolled on
   disk, equal the unrolled run's."""
   workdir, report = converted
-  c = _convert_config(teacher_dir)
+  c = convert_config(teacher_dir)
   c.model = dict(scan_layers=True, remat='dots_no_batch')
   scanned = pipeline.convert(c, tmp_path)
   for stage in ('stage1', 'stage2'):
@@ -301,7 +279,7 @@ def test_convert_with_layers_scanned_equals_unrolled(converted, teacher_dir,
       adapter_lib.read_adapter(tmp_path / 'adapter')[1])
   # Applied to a scanned base, the adapter gives the stacked layout of the
   # model it gives an unrolled base.
-  t_cfg, t_params = _teacher(teacher_dir)
+  t_cfg, t_params = load_teacher(teacher_dir)
   cfg_u, merged_u = adapter_lib.apply_adapter(tmp_path / 'adapter', t_cfg,
                                               t_params)
   cfg_s, merged_s = adapter_lib.apply_adapter(
@@ -330,7 +308,7 @@ def test_convert_with_layers_scanned_equals_unrolled(converted, teacher_dir,
 
 
 def test_full_finetune_and_kl(teacher_dir, tmp_path):
-  c = _convert_config(teacher_dir)
+  c = convert_config(teacher_dir)
   c.stage1.tokens = 2 * 4 * 96
   c.stage2.tokens = 2 * 4 * 96
   c.stage2.lora_rank = 0
@@ -361,7 +339,7 @@ def test_full_finetune_and_kl(teacher_dir, tmp_path):
 
 def test_convert_errors(teacher_dir, tmp_path):
   def run(**edits):
-    c = _convert_config(teacher_dir)
+    c = convert_config(teacher_dir)
     for key, value in edits.items():
       section, field = key.split('__')
       c[section][field] = value
@@ -388,11 +366,11 @@ def test_convert_errors(teacher_dir, tmp_path):
     run(stage2__lora_rank=-1)
   with pytest.raises(ValueError, match='hidden_weight=-1.0'):
     run(stage2__hidden_weight=-1.0)
-  c = _convert_config(teacher_dir)
+  c = convert_config(teacher_dir)
   c.stage2.lora_rnak = 4
   with pytest.raises(ValueError, match='lora_rnak'):
     pipeline.convert(c, tmp_path / 'out')
-  c = _convert_config(teacher_dir)
+  c = convert_config(teacher_dir)
   c.eval.sets = {}
   with pytest.raises(ValueError, match='eval.sets'):
     pipeline.convert(c, tmp_path / 'out')
@@ -451,6 +429,11 @@ def test_convert_smollm2_recipe(tmp_path):
   assert (c.stage2.split_mode, lin.stage2.split_mode) == ('prompt', 'none')
   assert {k: v for k, v in lin.stage2.items() if k != 'split_mode'} == {
       k: v for k, v in c.stage2.items() if k != 'split_mode'}
+  # Layers scanned; remat where the rows are 4096 tokens long.
+  assert (c.model.scan_layers, c.model.remat) == (True, 'none')
+  rows4k = convert_smollm2.get_config('rows4k,lscale')
+  assert (rows4k.model.scan_layers, rows4k.model.remat) == (
+      True, 'dots_no_batch')
   with pytest.raises(ValueError, match='unknown config args'):
     convert_smollm2.get_config('fast')
   smoke = convert_smollm2.get_config('smoke')
@@ -483,7 +466,7 @@ def test_convert_from_hugging_face_teacher(tmp_path):
       intermediate_size=64)
   torch.manual_seed(0)
   transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / 'hf')
-  c = _convert_config('')
+  c = convert_config('')
   c.teacher.hf_dir = str(tmp_path / 'hf')
   c.stage1.tokens = c.stage2.tokens = 2 * 4 * 96
   report = pipeline.convert(c, tmp_path / 'out')
@@ -522,200 +505,3 @@ def test_convert_py_entry_point(converted, teacher_dir, tmp_path):
   assert not re.search(r'^I\d{4} ', proc.stderr, re.M), proc.stderr[-3000:]
   with open(tmp_path / 'run' / 'report.json') as f:
     assert json.load(f)['eval'] == json.loads(json.dumps(report['eval']))
-
-
-# ------------------------------------------------------------ the adapter
-# What a LoRA conversion adds to its teacher, written alone and applied back
-# (orthros_jax/conversion/adapter.py); references: the merged params
-# convert.py saves and the conversion's own stage-2 checkpoint.
-
-
-def _teacher(teacher_dir):
-  params, config, _ = ckpt_lib.load_params(teacher_dir)
-  return model_config_from(config), params
-
-
-def test_convert_writes_an_adapter_that_rebuilds_the_model(converted,
-                                                           teacher_dir):
-  workdir, _ = converted
-  adapter = workdir / 'adapter'
-  assert adapter_lib.is_adapter(adapter)
-  t_config, t_params = _teacher(teacher_dir)
-  config, params = adapter_lib.apply_adapter(adapter, t_config, t_params)
-  merged, merged_cfg, _ = ckpt_lib.load_params(workdir / 'orthros')
-  assert config == model_config_from(merged_cfg) and config.is_orthros
-  flat = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-  want = dict(jax.tree_util.tree_flatten_with_path(merged)[0])
-  assert flat.keys() == want.keys()
-  for path, x in want.items():
-    np.testing.assert_allclose(np.asarray(flat[path]), np.asarray(x),
-                               rtol=1e-6, atol=1e-7, err_msg=str(path))
-  # Only what the conversion adds is in the file: no MLP, no embeddings.
-  meta, tensors = adapter_lib.read_adapter(adapter)
-  assert meta['lora_rank'] == 8 and meta['lora_alpha'] == 16.0
-  assert not any('mlp' in k or 'embed' in k for k in tensors)
-  assert {k.rsplit('.', 1)[-1] for k in tensors} == {
-      'proj', 'window_logit', 'lora_a', 'lora_b'}
-
-
-def test_export_from_conversion_equals_the_pipeline_adapter(converted,
-                                                            tmp_path):
-  workdir, _ = converted
-  out = adapter_lib.export_from_conversion(workdir, tmp_path / 'exported')
-  _, a = adapter_lib.read_adapter(out)
-  _, b = adapter_lib.read_adapter(workdir / 'adapter')
-  assert a.keys() == b.keys()
-  for k in a:
-    np.testing.assert_array_equal(a[k], b[k])
-  # After stage 1 alone: feature maps and windows, no LoRA.
-  out1 = adapter_lib.export_from_conversion(workdir, tmp_path / 's1',
-                                            stage='stage1')
-  meta, t1 = adapter_lib.read_adapter(out1)
-  assert meta['lora_rank'] == 0 and not any('lora' in k for k in t1)
-  stage1, _, _ = ckpt_lib.load_params(workdir / 'stage1')
-  np.testing.assert_array_equal(
-      t1['layers_1.attn.phi_k.proj'],
-      np.asarray(stage1['layers_1']['attn']['phi_k']['proj']))
-
-
-def test_stage1_from_adapter_replaces_stage1(converted, teacher_dir,
-                                            tmp_path):
-  """stage1.from_adapter: stage 2 starts from the adapter's feature maps
-  and windows (no stage-1 step runs), the report counts the adapter's
-  stage-1 steps and tokens; a LoRA adapter or another attention config is
-  refused naming the file."""
-  workdir, report = converted
-  s1 = adapter_lib.export_from_conversion(workdir, tmp_path / 's1',
-                                          stage='stage1')
-  c = _convert_config(teacher_dir)
-  c.stage1.from_adapter = str(s1)
-  out = pipeline.convert(c, tmp_path / 'run')
-  assert not (tmp_path / 'run' / 'stage1').exists()
-  got = out['conversion']['stage1']
-  assert got['steps'] == report['conversion']['stage1']['steps'] == 4
-  assert got['tokens'] == report['conversion']['stage1']['tokens']
-  assert got['from_adapter'] == str(s1)
-  assert out['conversion']['tokens'] == report['conversion']['tokens']
-  # The same stage-1 params: the same held-out transfer MSE, and stage 2's
-  # frozen base carries the adapter's feature maps.
-  assert got['mse_after'] == pytest.approx(
-      report['conversion']['stage1']['mse_after'], rel=1e-6)
-  stage2, _, _ = ckpt_lib.load_params(tmp_path / 'run' / 'stage2')
-  _, t1 = adapter_lib.read_adapter(s1)
-  np.testing.assert_array_equal(
-      np.asarray(stage2['base']['layers_1']['attn']['phi_q']['proj']),
-      t1['layers_1.attn.phi_q.proj'])
-  assert 'from the adapter' in (tmp_path / 'run' / 'report.md').read_text()
-  c.stage1.from_adapter = str(workdir / 'adapter')
-  with pytest.raises(ValueError, match='adapter_config.json.*LoRA'):
-    pipeline.convert(c, tmp_path / 'lora')
-  c.stage1.from_adapter = str(s1)
-  c.attention.window = 6
-  with pytest.raises(ValueError, match='adapter_config.json.*window'):
-    pipeline.convert(c, tmp_path / 'other')
-  c.stage1.from_adapter = str(tmp_path / 'missing')
-  with pytest.raises(ValueError, match='not an adapter directory'):
-    pipeline.convert(c, tmp_path / 'missing_run')
-
-
-def test_stage2_from_adapter_continues_its_lora(converted, teacher_dir,
-                                                tmp_path):
-  """stage2.from_adapter: no stage 1 runs, stage 2 starts from the
-  adapter's feature maps, windows and LoRA factors (at a learning rate of
-  1e-30 the continued adapter is the same adapter: every tensor within
-  1e-20, where a fresh LoRA start would have B = 0), the report
-  counts the adapter's stages and this one; a stage-1 adapter, both
-  from_adapter keys, another rank or full finetuning are refused."""
-  workdir, report = converted
-  c = _convert_config(teacher_dir)
-  c.stage2.from_adapter = str(workdir / 'adapter')
-  c.stage2.learning_rate = 1e-30
-  out = pipeline.convert(c, tmp_path / 'run')
-  assert not (tmp_path / 'run' / 'stage1').exists()
-  _, old = adapter_lib.read_adapter(workdir / 'adapter')
-  meta, new = adapter_lib.read_adapter(tmp_path / 'run' / 'adapter')
-  assert old.keys() == new.keys()
-  assert any(np.any(old[k] != 0) for k in old if k.endswith('lora_b'))
-  for k in old:
-    np.testing.assert_allclose(new[k], old[k], rtol=0, atol=1e-20, err_msg=k)
-  conv, before = out['conversion'], report['conversion']
-  assert conv['stage1']['steps'] == before['stage1']['steps'] == 4
-  assert conv['stage1']['tokens'] == before['stage1']['tokens']
-  assert conv['stage2']['continued']['steps'] == 4
-  assert conv['stage2']['continued']['tokens'] == before['stage2']['tokens']
-  assert conv['tokens'] == before['tokens'] + conv['stage2']['tokens']
-  # The merged checkpoint counts every step: 4 + 4 of the adapter, 4 here.
-  assert out['checkpoint'].endswith(os.path.join('checkpoints', '12'))
-  prov = meta['provenance']
-  assert prov['stage2_from_adapter']['tokens'] == before['stage2']['tokens']
-  assert 'continues the stage 2 of the adapter' in (
-      tmp_path / 'run' / 'report.md').read_text()
-  # Continuing the continued adapter counts both earlier stage 2 runs.
-  c.stage2.from_adapter = str(tmp_path / 'run' / 'adapter')
-  again = pipeline.convert(c, tmp_path / 'again')
-  assert again['conversion']['stage2']['continued']['tokens'] == (
-      2 * before['stage2']['tokens'])
-  assert again['conversion']['stage1']['tokens'] == before['stage1']['tokens']
-  s1 = adapter_lib.export_from_conversion(workdir, tmp_path / 's1',
-                                          stage='stage1')
-  c.stage2.from_adapter = str(s1)
-  with pytest.raises(ValueError, match='adapter_config.json.*no LoRA'):
-    pipeline.convert(c, tmp_path / 'bad1')
-  c.stage2.from_adapter = str(workdir / 'adapter')
-  c.stage1.from_adapter = str(s1)
-  with pytest.raises(ValueError, match='both'):
-    plan_lib.check_config(c)
-  c.stage1.from_adapter = ''
-  c.stage2.lora_rank = 4
-  with pytest.raises(ValueError, match='adapter_config.json.*rank'):
-    pipeline.convert(c, tmp_path / 'bad2')
-  c.stage2.lora_rank = 0
-  with pytest.raises(ValueError, match='lora_rank > 0'):
-    plan_lib.check_config(c)
-  c.stage2.lora_rank = 8
-  c.stage2.from_adapter = str(tmp_path / 'missing')
-  with pytest.raises(ValueError, match='not an adapter directory'):
-    plan_lib.check_config(c)
-
-
-def test_adapter_refuses_other_base_and_broken_files(converted, teacher_dir,
-                                                     tmp_path):
-  workdir, _ = converted
-  t_config, t_params = _teacher(teacher_dir)
-  other = jax.tree.map(lambda x: x + 1e-3, t_params)
-  with pytest.raises(ValueError, match='adapter_config.json.*other base'):
-    adapter_lib.apply_adapter(workdir / 'adapter', t_config, other)
-  with pytest.raises(ValueError, match='shape'):
-    adapter_lib.apply_adapter(workdir / 'adapter',
-                              t_config.replace(num_layers=1), t_params)
-  broken = tmp_path / 'broken'
-  broken.mkdir()
-  with pytest.raises(FileNotFoundError, match='adapter_config.json'):
-    adapter_lib.read_adapter(broken)
-  (broken / 'adapter_config.json').write_text('{"lora_alpha": 1}')
-  (broken / 'adapter.safetensors').write_bytes(b'garbage')
-  with pytest.raises(ValueError, match='adapter_config.json'):
-    adapter_lib.read_adapter(broken)
-  with open(workdir / 'adapter' / 'adapter_config.json') as f:
-    (broken / 'adapter_config.json').write_text(f.read())
-  with pytest.raises(ValueError, match='adapter.safetensors'):
-    adapter_lib.read_adapter(broken)
-
-
-def test_eval_applies_an_adapter_to_its_teacher(converted, teacher_dir):
-  workdir, _ = converted
-  from configs import eval_tiny
-  c = eval_tiny.get_config('smoke')
-  c.checkpoint = str(workdir / 'adapter')
-  c.teacher = ''
-  with pytest.raises(ValueError, match='teacher='):
-    loading.load_models(c)
-  c.teacher = str(teacher_dir)
-  c.models = ('teacher', 'orthros')
-  models, desc = loading.load_models(c)
-  merged, _, _ = ckpt_lib.load_params(workdir / 'orthros')
-  np.testing.assert_allclose(
-      np.asarray(models['orthros'][1]['layers_0']['attn']['q_proj']['kernel']),
-      np.asarray(merged['layers_0']['attn']['q_proj']['kernel']), rtol=1e-6,
-      atol=1e-7)
-  assert 'adapter on' in desc['orthros']
