@@ -18,7 +18,8 @@ the recipe's Orthros attention, float32 as converted on CPU) and
 'llama_1b' (configs/llama_1b.py, 16 layers, d = 2048, bfloat16 activations,
 float32 params, with the same Orthros attention). Settings: unrolled
 (the default), scan, scan + remat 'dots_no_batch', scan + remat 'full'.
-With --time_stage2 the stage-2 step also runs (random weights and data,
+--programs picks a subset (e.g. --programs decode). With --time_stage2 the
+stage-2 step also runs (random weights and data,
 `--train_batch` rows): its step time and tokens/s per setting.
 Writes scan_layers.json, scan_layers.csv, report.md and scan_layers.png.
 """
@@ -272,18 +273,16 @@ def main(argv=None) -> int:
                  help='a 3-layer stand-in (CPU dry runs, tests)')
   p.add_argument('--out', default='results/scan_layers')
   args = p.parse_args(argv)
-  # Every compilation really compiles: no persistent cache (the tests set
-  # one through JAX_COMPILATION_CACHE_DIR), and jax's in-memory caches are
-  # cleared before each (compile_once).
-  jax.config.update('jax_enable_compilation_cache', False)
   settings = [s for s in args.settings.split(',') if s]
   bad = sorted(set(settings) - set(SETTINGS))
   if bad or not settings:
     p.error(f'--settings: unknown {bad}; choose from {list(SETTINGS)}')
-  which = tuple(s for s in args.programs.split(',') if s)
+  which = tuple(dict.fromkeys(s for s in args.programs.split(',') if s))
   bad = sorted(set(which) - set(PROGRAMS))
   if bad or not which:
     p.error(f'--programs: unknown {bad}; choose from {list(PROGRAMS)}')
+  if args.time_stage2 and 'stage2_step' not in which:
+    p.error('--time_stage2 needs stage2_step in --programs')
   shapes = [s for s in args.shapes.split(',') if s]
   for s in shapes:
     shape_config(s)  # unknown names fail before any compilation
@@ -292,6 +291,10 @@ def main(argv=None) -> int:
     p.error('lengths and --reps must be >= 1')
   lengths = {'prefill': args.prefill_len, 'decode': args.decode_len,
              'stage2_step': args.train_len}
+  # Every compilation really compiles: no persistent cache (the tests set
+  # one through JAX_COMPILATION_CACHE_DIR), and jax's in-memory caches are
+  # cleared before each (compile_once).
+  jax.config.update('jax_enable_compilation_cache', False)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   t0 = time.perf_counter()

@@ -33,7 +33,9 @@ next-token loss through a random prefill/decode split of every text row.
 Sinks: the first 4 tokens stay exact in every prefill query (StreamingLLM);
 pretrained models park attention on their first tokens. Budget: 160 + 160 steps of 1024 x 2 tokens
 (0.33M + 0.33M tokens); wall time on a 2-core CPU in benchmarks/RESULTS.md.
-convert.py resumes a killed run where it stopped.
+convert.py resumes a killed run where it stopped (a workdir started before
+the recipe scanned its layers, 401db81, resumes with
+--config.model.scan_layers=False --config.model.remat=none).
 """
 
 import ml_collections

@@ -60,7 +60,7 @@ class AttentionConfig:
     tokens grows with n_old where a pretrained model's softmax mass barely
     moves (benchmarks/linear_share.py); alpha, fitted on every prefix of
     the training rows, lets the linear share follow it. Folded into phi_q,
-    so every prefill path and the decode fold are unchanged. Needs
+    so every prefill path and the fold of decoded tokens are unchanged. Needs
     window > 0 or sinks > 0 (with linear weights alone it cancels).
   """
 

@@ -296,6 +296,8 @@ def test_scan_layers_benchmark_tiny(tmp_path):
     bench.main(['--settings', 'unrolled,bogus'])
   with pytest.raises(SystemExit):
     bench.main(['--programs', 'decode,bogus'])
+  with pytest.raises(SystemExit):  # nothing to time
+    bench.main(['--programs', 'decode', '--time_stage2'])
   # --programs: only the named ones.
   rows = bench.measure('smollm2', ['scan'], {'prefill': 24, 'decode': 20,
                                             'stage2_step': 17}, 1, True,

@@ -111,6 +111,8 @@ def test_orthros_turns_short_window():
   assert first.ids == ref.tokens[0, :n].tolist()
   chat.send('more', max_new_tokens=4)
   assert chat.cached == len(chat.ids) - 1
+  # The state holds the turns' prefilled tokens (not the last reply's).
+  assert 0 < int(chat.cache[0].folded[0]) < len(chat.ids) - 1 - 4
   _assert_caches_equal(config, params, chat.cache, chat.ids[:-1],
                        layers=(0,))
 

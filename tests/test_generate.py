@@ -88,7 +88,9 @@ def test_exact_tail_is_per_prompt():
 
 def test_ragged_decode_equals_separate_calls():
   """phase='decode' with lengths appends each row's first lengths[b]
-  tokens: logits and cache equal decoding each row alone."""
+  tokens: logits and cache equal decoding each row alone, and so does a
+  continued prefill after it (which folds what each row decoded, and only
+  that)."""
   config = make_config(window=4, chunk=4)
   params = init_params(config)
   apply = jax.jit(Transformer(config).apply, static_argnames=('phase',))
@@ -99,6 +101,8 @@ def test_ragged_decode_equals_separate_calls():
   _, cache = apply({'params': params}, prompt, phase='prefill', cache=cache)
   logits, got = apply({'params': params}, more, phase='decode', cache=cache,
                       lengths=lengths)
+  after = np.asarray([[5, 8, 3, 11, 6], [2, 12, 9, 4, 1]], np.int32)
+  logits2, got2 = apply({'params': params}, after, phase='prefill', cache=got)
   for b in range(2):
     one = oj.init_cache(config, 1, 24)
     _, one = apply({'params': params}, prompt[b:b + 1], phase='prefill',
@@ -113,6 +117,15 @@ def test_ragged_decode_equals_separate_calls():
       np.testing.assert_allclose(layer.k[b, :n], ref.k[0, :n], atol=1e-6)
       np.testing.assert_allclose(layer.S[b], ref.S[0], rtol=1e-5, atol=1e-6)
       np.testing.assert_allclose(layer.z[b], ref.z[0], rtol=1e-5, atol=1e-6)
+    want2, one = apply({'params': params}, after[b:b + 1], phase='prefill',
+                       cache=one)
+    np.testing.assert_allclose(logits2[b], want2[0], rtol=1e-5, atol=1e-5)
+    for layer, ref in zip(got2, one):
+      n = int(ref.lengths[0])
+      assert int(layer.lengths[b]) == n and n == 9 + lengths[b] + 5
+      assert int(layer.folded[b]) == int(ref.folded[0]) == n - 4
+      np.testing.assert_allclose(layer.S[b], ref.S[0], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(layer.z[b], ref.z[0], rtol=1e-5, atol=1e-5)
 
 
 def test_padded_array_input_with_lengths():

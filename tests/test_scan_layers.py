@@ -54,8 +54,8 @@ def _stack(cache):
 @pytest.mark.parametrize('attention', [ORTHROS, AttentionConfig(
     kind='dense')], ids=['orthros', 'dense'])
 def test_scanned_layers_match_unrolled_in_every_phase(attention):
-  """forward (with a ragged split), a ragged prefill, decode steps across a
-  fold and a continued prefill: logits and every cache field of the
+  """forward (with a ragged split), a ragged prefill, decode steps past a
+  chunk and a continued prefill that folds them: logits and every cache field of the
   scanned model equal the unrolled model's on the same weights."""
   cfg = _config(attention)
   scfg = cfg.replace(scan_layers=True)

@@ -32,8 +32,8 @@ def test_speed_rows_and_variants():
     assert r['decode_steps'] == 3
     assert r['decode_step_min_s'] <= r['decode_step_s'] <= r[
         'decode_step_max_s']
-  # Decode alone: every timed call runs a chunk of steps by default (one
-  # Orthros fold per call), interleaved like measure's.
+  # Decode alone: every timed call runs a chunk of steps by default,
+  # interleaved like measure's.
   decode_rows = speed.measure_decode(ORTHROS, params, [20], reps=3)
   assert [r['variant'] for r in decode_rows] == ['dense', 'orthros']
   for r in decode_rows:

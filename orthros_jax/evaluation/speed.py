@@ -12,7 +12,9 @@ length, for the same model shape with dense, Orthros and no attention.
                 state, which the next prefill catches up): each timed call
                 runs `decode_steps` steps (default the Orthros chunk size),
                 step time = the median call / decode_steps, tokens/s =
-                decode_batch / step time.
+                decode_batch / step time. The fold of the decoded tokens is
+                paid by the next continued prefill (a chat turn), which
+                neither timing here includes.
   memory        XLA's compiled memory analysis of the prefill (arguments +
                 outputs + temporaries, bytes): a per-program peak estimate
                 that exists on every backend (CPU has no live memory stats).
