@@ -113,7 +113,8 @@ def test_stage2_from_adapter_continues_its_lora(converted, teacher_dir,
   adapter's feature maps, windows and LoRA factors (at a learning rate of
   1e-30 the continued adapter is the same adapter: every tensor within
   1e-20, where a fresh LoRA start would have B = 0), the report
-  counts the adapter's stages and this one; a stage-1 adapter, both
+  counts the adapter's stages and this one (also with the layers
+  scanned); a stage-1 adapter, both
   from_adapter keys, another rank or full finetuning are refused."""
   workdir, report = converted
   c = convert_config(teacher_dir)
@@ -127,6 +128,18 @@ def test_stage2_from_adapter_continues_its_lora(converted, teacher_dir,
   assert any(np.any(old[k] != 0) for k in old if k.endswith('lora_b'))
   for k in old:
     np.testing.assert_allclose(new[k], old[k], rtol=0, atol=1e-20, err_msg=k)
+  # The same with the layers scanned (the SmolLM2 recipe's default): the
+  # adapter goes into the stacked layout and comes back out unchanged.
+  c_scan = convert_config(teacher_dir)
+  c_scan.stage2.from_adapter = str(workdir / 'adapter')
+  c_scan.stage2.learning_rate = 1e-30
+  c_scan.model.scan_layers = True
+  pipeline.convert(c_scan, tmp_path / 'scan')
+  _, scanned = adapter_lib.read_adapter(tmp_path / 'scan' / 'adapter')
+  assert scanned.keys() == old.keys()
+  for k in old:
+    np.testing.assert_allclose(scanned[k], old[k], rtol=0, atol=1e-20,
+                               err_msg=k)
   conv, before = out['conversion'], report['conversion']
   assert conv['stage1']['steps'] == before['stage1']['steps'] == 4
   assert conv['stage1']['tokens'] == before['stage1']['tokens']
