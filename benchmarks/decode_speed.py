@@ -60,15 +60,13 @@ def copy_bandwidth(mib: int = 256, reps: int = 10) -> float:
   return 2 * x.nbytes / best
 
 
-def step_bytes(config, params, variant: str, n: int) -> int:
+def step_bytes(config, params, n: int) -> int:
   """Bytes one decode step must read: every weight once (the tied
   embedding too, as the logits' matrix) and the K/V cache of n tokens (the
-  same for dense and Orthros, whose decode leaves (S, z) alone; `variant`
-  is kept for the rows' sake)."""
+  same for dense and Orthros, whose decode leaves (S, z) alone)."""
   itemsize = jnp.dtype(config.dtype).itemsize
   weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
   kv = 2 * n * config.num_kv_heads * config.head_dim * itemsize
-  del variant
   return int(weights + config.num_layers * kv)
 
 
@@ -103,8 +101,7 @@ def main(argv=None) -> int:
       config, params, lengths, reps=args.reps, steps=args.steps or None,
       progress=lambda what: print(f'  compiling {what}', flush=True))
   for r in rows:
-    r['bytes_per_step'] = step_bytes(config, params, r['variant'],
-                                     r['length'])
+    r['bytes_per_step'] = step_bytes(config, params, r['length'])
     r['frac_copy_bandwidth'] = (r['bytes_per_step'] / r['decode_step_s']
                                 / bandwidth)
   by = {(r['variant'], r['length']): r for r in rows}
