@@ -1,4 +1,5 @@
-# The two commands of the README. Each creates .venv on first use and
+# The README's make targets (demo and test first; smollm2, smollm2-eval,
+# corpus). Each creates .venv on first use and
 # (re)installs requirements whenever a requirements file changes.
 PYTHON ?= python3
 VENV := .venv

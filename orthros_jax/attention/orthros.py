@@ -18,8 +18,9 @@ contribution is the carried float32 linear state (S, z). Inside the block the
 per-pair distance decides window softmax vs linear. After a chunk, the oldest
 buffered chunk leaves the block and is folded into (S, z). The scan body
 holds its arrays head-major ([B, heads, C, dim]) so that each einsum is a
-batched matmul without a transpose (1.8x faster forward at 8K tokens on the
-CPU than token-major), and the linear part's einsum covers only the block's
+batched matmul without a transpose (SmolLM2's TTFT at 8K on the CPU:
+2.07x -> 1.87x the no-attention network; benchmarks/RESULTS.md, "The XLA
+prefill head-major"), and the linear part's einsum covers only the block's
 first (nb + 1) * C - W keys, the only ones that can be older than a query's
 window.
 Cost: O(T * ((nb + 1) * C * D + ((nb + 1) * C - W) * F + F * D)) per head,
