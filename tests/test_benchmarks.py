@@ -466,3 +466,52 @@ def test_conversion_speed_summary_and_outputs(tmp_path, monkeypatch):
   assert rows['stage2', 'head']['tokens_per_s_max'] == pytest.approx(tps / 2)
   for name in ('conversion_speed.csv', 'report.md', 'conversion_speed.png'):
     assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize('n,window,chunk', [(37, 5, 4), (29, 9, 4), (23, 40, 8),
+                                            (19, 0, 8), (33, 16, 16)])
+def test_parallel_prefill_matches_the_float64_formula(n, window, chunk):
+  """benchmarks/prefill_schedules.py's chunk-parallel form computes the
+  section-3 prefill formula (GQA, odd lengths, W = 0, W > N, W = C)."""
+  from tests import reference as ref  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ks = jax.random.split(jax.random.PRNGKey(n + window), 6)
+  b, h, kh, d, f = 2, 4, 2, 8, 6
+  q = jax.random.normal(ks[0], (b, n, h, d))
+  k = jax.random.normal(ks[1], (b, n, kh, d))
+  v = jax.random.normal(ks[2], (b, n, kh, d))
+  phi_q = jax.random.uniform(ks[3], (b, n, h, f), minval=0.1)
+  phi_k = jax.random.uniform(ks[4], (b, n, h, f), minval=0.1)
+  gamma = jax.nn.sigmoid(jax.random.normal(ks[5], (h,)))
+  y = _load('prefill_schedules').parallel_prefill(
+      q, k, v, phi_q, phi_k, gamma, window=window, chunk_size=chunk)
+  want, _, _ = ref.orthros_prefill(q, k, v, phi_q, phi_k, gamma,
+                                   window=window)
+  np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2e-5,
+                             atol=2e-6)
+  assert y.dtype == jnp.float32
+
+
+def test_prefill_schedules_script(tmp_path):
+  """The script at tiny size: a row per length, direction and schedule,
+  the parallel rows' difference from the scan at float32 rounding, the
+  CSV, report and plot; no speed ordering is asserted."""
+  _run([sys.executable, 'benchmarks/prefill_schedules.py', '--lengths',
+        '45,70', '--heads', '4', '--kv_heads', '2', '--head_dim', '8',
+        '--feature_dim', '6', '--window', '9', '--chunk', '8', '--reps', '3',
+        '--out', str(tmp_path)])
+  result = json.loads((tmp_path / 'results.json').read_text())
+  assert result['info']['matmul_flops_per_s'] > 0
+  rows = {(r['length'], r['what'], r['schedule']): r for r in result['rows']}
+  assert set(rows) == {(n, w, s) for n in (45, 70)
+                       for w in ('forward', 'forward+backward')
+                       for s in ('scan', 'parallel')}
+  for (_, _, s), r in rows.items():
+    assert 0 < r['min_ms'] <= r['median_ms'] <= r['max_ms']
+    if s == 'parallel':
+      assert r['max_abs_diff_vs_scan'] < 1e-4
+  assert len((tmp_path / 'results.csv').read_text().splitlines()) == 1 + 8
+  assert '| 70 | forward+backward |' in (tmp_path / 'report.md').read_text()
+  assert (tmp_path / 'prefill_schedules.png').stat().st_size > 0
+  with pytest.raises(SystemExit):
+    _load('prefill_schedules').main(['--schedules', 'scan,tree'])
