@@ -10,8 +10,16 @@ over chunks (`lax.associative_scan`), then every chunk's read of the state
 before its block. Same formula (checked here against the scan on every
 run); the question is which runs faster on a backend. This script times
 both, forward and forward + backward (the gradient w.r.t. q, k, v,
-phi_q, phi_k, as stage 1 trains), interleaved, median / min / max of
-`--reps`, with the matmul rate and copy bandwidth measured in the same run.
+phi_q, phi_k, as stage 1 trains), interleaved (the order alternates
+between reps), median / min / max of `--reps`, with the matmul rate (an
+n x n x n float32 matmul, n = 2048) and the copy bandwidth measured in the
+same run. GFLOP/s counts the matmul work both schedules execute (q.k and
+w.v over each chunk's block of (nb + 1) C keys, phi_q.phi_k over its
+(nb + 1) C - W older ones, the state's read and fold: `executed_flops`);
+for forward + backward it is a model, 3x the forward's (the backward
+runs two matmuls per forward one; any recomputation is not counted), and
+frac_matmul_rate divides by the 2048^3 matmul's rate, which small batched
+matmuls do not reach.
 
   python benchmarks/prefill_schedules.py --lengths 2048,8192 \
       --out results/prefill_schedules
@@ -40,22 +48,42 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
 from benchmarks.decode_speed import copy_bandwidth  # pylint: disable=wrong-import-position
-from benchmarks.kernel_costs import prefill_flops  # pylint: disable=wrong-import-position
 from orthros_jax.attention import orthros_prefill  # pylint: disable=wrong-import-position
 from pallas_kernels.common import normalize  # pylint: disable=wrong-import-position
 from pallas_kernels.common import stable_max  # pylint: disable=wrong-import-position
 
 SCHEDULES = ('scan', 'parallel')
 _FIELDS = ('length', 'schedule', 'what', 'median_ms', 'min_ms', 'max_ms',
-           'gflop_per_s', 'frac_matmul', 'max_abs_diff_vs_scan')
+           'gflop_per_s', 'frac_matmul_rate', 'max_abs_diff_vs_scan')
+
+
+def executed_flops(n: int, a) -> float:
+  """Matmul FLOPs (2 per multiply-add) of one forward, both schedules:
+  per query and head, q.k and w.v over the block's (nb + 1) C keys,
+  phi_q.phi_k over its (nb + 1) C - W older ones, phi_q S and phi_k v^T."""
+  nc = -(-n // a.chunk)
+  nb = min(-(-(a.window - 1) // a.chunk) if a.window > 1 else 0, nc - 1)
+  blk = (nb + 1) * a.chunk
+  n_lin = min(blk, max(0, blk - a.window))
+  per = 2 * blk * 2 * a.head_dim + 2 * n_lin * a.feature_dim + (
+      4 * a.feature_dim * a.head_dim)
+  return float(a.batch * a.heads * nc * a.chunk * per)
 
 
 def parallel_prefill(q, k, v, phi_q, phi_k, gamma, *, window: int,
                      chunk_size: int):
   """`orthros_prefill(...)[0]` of a fresh prompt (no lengths, history or
   sinks), every chunk at once. Shapes as orthros_prefill's."""
+  if window < 0 or chunk_size < 1:
+    raise ValueError(f'window={window} must be >= 0 and chunk_size='
+                     f'{chunk_size} >= 1')
   b, n, h, d = q.shape
   kh, f, c = k.shape[2], phi_q.shape[-1], chunk_size
+  if (k.shape != (b, n, kh, d) or v.shape != k.shape or h % kh
+      or phi_q.shape != (b, n, h, f) or phi_k.shape != phi_q.shape):
+    raise ValueError(f'shapes q {q.shape}, k {k.shape}, v {v.shape}, phi_q '
+                     f'{phi_q.shape}, phi_k {phi_k.shape} do not form [B,N,H,'
+                     'D], [B,N,K,D] x 2, [B,N,H,F] x 2 with H % K == 0')
   g = h // kh
   nc = -(-n // c)
   nb = min(-(-(window - 1) // c) if window > 1 else 0, nc - 1)
@@ -90,6 +118,8 @@ def parallel_prefill(q, k, v, phi_q, phi_k, gamma, *, window: int,
   m = stable_max(jnp.max(scores, axis=-1, keepdims=True))
   weights = gamma_g * jnp.exp(scores - m)
   lin = jnp.einsum('bhncf,bhnsf->bhncs', pq, pkb[:, :, :, :n_lin])
+  # (Padded keys are zeros, so the `eb` and `exists` masks below change
+  # nothing numerically; they keep every padded key out by construction.)
   older = (dist >= window)[None, :, :n_lin] & eb[:, None, :n_lin]
   lin = jnp.where(older, lin, 0.0).reshape(b, kh, g, nc, c, n_lin)
   weights = jnp.concatenate([weights[..., :n_lin] + lin,
@@ -158,8 +188,9 @@ def run(a) -> tuple[list[dict], dict]:
   print(f'matmul {rate / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s',
         flush=True)
   fns = {s: _fns(s, a) for s in a.schedules}
-  shape = dict(batch=a.batch, heads=a.heads, head_dim=a.head_dim,
-               feature_dim=a.feature_dim, window=a.window, chunk=a.chunk)
+  shape = dict(batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
+               head_dim=a.head_dim, feature_dim=a.feature_dim,
+               window=a.window, chunk=a.chunk)
   rows = []
   for n in a.lengths:
     args = _inputs(n, a)
@@ -167,21 +198,21 @@ def run(a) -> tuple[list[dict], dict]:
       outs, times = {}, {s: [] for s in a.schedules}
       for s in a.schedules:  # compile and keep each output
         outs[s] = jax.block_until_ready(fns[s][what](*args))
-      for _ in range(a.reps):
-        for s in a.schedules:
+      for rep in range(a.reps):
+        for s in a.schedules[::-1] if rep % 2 else a.schedules:
           t0 = time.perf_counter()
           jax.block_until_ready(fns[s][what](*args))
           times[s].append(time.perf_counter() - t0)
-      flops = prefill_flops('orthros', n, shape)
+      flops = executed_flops(n, a)
       if what == 'forward+backward':
-        flops *= 3  # the backward's matmuls: about twice the forward's
+        flops *= 3  # a model: the backward's matmuls, twice the forward's
       for s in a.schedules:
         med = float(np.median(times[s]))
         row = dict(length=n, schedule=s, what=what, median_ms=med * 1e3,
                    min_ms=min(times[s]) * 1e3, max_ms=max(times[s]) * 1e3,
                    gflop_per_s=flops / med / 1e9,
-                   frac_matmul=flops / med / rate)
-        if 'scan' in outs and s != 'scan':
+                   frac_matmul_rate=flops / med / rate)
+        if s != 'scan':
           row['max_abs_diff_vs_scan'] = max(
               float(jnp.max(jnp.abs(x - y))) for x, y in zip(
                   jax.tree.leaves(outs[s]), jax.tree.leaves(outs['scan'])))
@@ -210,6 +241,8 @@ def write(rows, info, out: str) -> None:
            f'({info["backend"]}, jax {info["jax"]}, matmul '
            f'{info["matmul_flops_per_s"] / 1e9:.1f} GFLOP/s, copy '
            f'{info["copy_bytes_per_s"] / 1e9:.1f} GB/s)', '',
+           f'shape {info["shape"]}, float32, fresh prompt without sinks; '
+           f'median [min, max] of {info["reps"]} interleaved reps.', '',
            '| N | what | scan ms | parallel ms | parallel / scan | '
            'max abs diff |', '|---:|---|---:|---:|---:|---:|']
   for (n, what, s), r in by.items():
@@ -262,12 +295,15 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   a.schedules = tuple(a.schedules.split(','))
   a.what = tuple(a.what.split(','))
-  if set(a.schedules) - set(SCHEDULES) or not a.schedules:
-    p.error(f'--schedules {a.schedules}: choose from {SCHEDULES}')
+  if set(a.schedules) - set(SCHEDULES) or 'scan' not in a.schedules:
+    p.error(f'--schedules {a.schedules}: choose from {SCHEDULES}, scan '
+            'included (the other schedules are checked against it)')
   if set(a.what) - {'forward', 'forward+backward'} or not a.what:
     p.error(f'--what {a.what}: forward and/or forward+backward')
-  if a.reps < 3 or min(a.lengths) < 1 or a.heads % a.kv_heads:
-    p.error('need --reps >= 3, lengths >= 1 and heads % kv_heads == 0')
+  if (a.reps < 3 or min(a.lengths) < 1 or a.heads % a.kv_heads
+      or a.window < 0 or a.chunk < 1):
+    p.error('need --reps >= 3, lengths >= 1, heads % kv_heads == 0, '
+            '--window >= 0 and --chunk >= 1')
   rows, info = run(a)
   write(rows, info, a.out)
   return 0

@@ -469,7 +469,8 @@ def test_conversion_speed_summary_and_outputs(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize('n,window,chunk', [(37, 5, 4), (29, 9, 4), (23, 40, 8),
-                                            (19, 0, 8), (33, 16, 16)])
+                                            (19, 0, 8), (33, 16, 16),
+                                            (5, 3, 8), (21, 1, 4)])
 def test_parallel_prefill_matches_the_float64_formula(n, window, chunk):
   """benchmarks/prefill_schedules.py's chunk-parallel form computes the
   section-3 prefill formula (GQA, odd lengths, W = 0, W > N, W = C)."""
@@ -513,5 +514,12 @@ def test_prefill_schedules_script(tmp_path):
   assert len((tmp_path / 'results.csv').read_text().splitlines()) == 1 + 8
   assert '| 70 | forward+backward |' in (tmp_path / 'report.md').read_text()
   assert (tmp_path / 'prefill_schedules.png').stat().st_size > 0
-  with pytest.raises(SystemExit):
-    _load('prefill_schedules').main(['--schedules', 'scan,tree'])
+  script = _load('prefill_schedules')
+  for bad in (['--schedules', 'scan,tree'], ['--schedules', 'parallel'],
+              ['--window', '-1'], ['--chunk', '0']):
+    with pytest.raises(SystemExit):
+      script.main(bad)
+  x = jax.numpy.ones((1, 8, 2, 4))
+  with pytest.raises(ValueError, match='window=-1'):
+    script.parallel_prefill(x, x, x, x, x, jax.numpy.ones(2), window=-1,
+                            chunk_size=4)

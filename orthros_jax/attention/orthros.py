@@ -18,11 +18,12 @@ contribution is the carried float32 linear state (S, z). Inside the block the
 per-pair distance decides window softmax vs linear. After a chunk, the oldest
 buffered chunk leaves the block and is folded into (S, z). The scan body
 holds its arrays head-major ([B, heads, C, dim]) so that each einsum is a
-batched matmul without a transpose (SmolLM2's TTFT at 8K on the CPU:
-2.07x -> 1.87x the no-attention network; benchmarks/RESULTS.md, "The XLA
-prefill head-major"), and the linear part's einsum covers only the block's
-first (nb + 1) * C - W keys, the only ones that can be older than a query's
-window.
+batched matmul without a transpose, and the linear part's einsum covers
+only the block's first (nb + 1) * C - W keys, the only ones that can be
+older than a query's window (together: SmolLM2's TTFT at 8K on the CPU 2.07x -> 1.87x the
+no-attention network; benchmarks/RESULTS.md, "The XLA prefill head-major").
+A chunk-parallel form of the same formula is slower on the CPU
+(benchmarks/prefill_schedules.py).
 Cost: O(T * ((nb + 1) * C * D + ((nb + 1) * C - W) * F + F * D)) per head,
 linear in T.
 
