@@ -47,7 +47,7 @@ smollm2: $(VENV)/.installed-smollm2
 
 # The committed SmolLM2 adapter applied to the exported GGUF teacher, a
 # short evaluation (configs/eval_smollm2.py:quick): its table is printed.
-SMOLLM2_ADAPTER ?= assets/smollm2_orthros_lscale
+SMOLLM2_ADAPTER ?= assets/smollm2_orthros_rows4k_lr1e3x3
 smollm2-eval: smollm2
 	$(PY) eval.py --config=configs/eval_smollm2.py:quick \
 	  --config.checkpoint=$(SMOLLM2_ADAPTER) --config.teacher=$(SMOLLM2_DIR) \

@@ -39,7 +39,7 @@ number is zero-shot. Rows: orthros_jax/evaluation/variants.py.
 import ml_collections
 
 TEACHER = 'results/smollm2/hf'
-ADAPTER = 'assets/smollm2_orthros_lscale'
+ADAPTER = 'assets/smollm2_orthros_rows4k_lr1e3x3'
 CORPUS = 'results/corpus_pydoc'
 ALL_ROWS = ('teacher', 'dense', 'window', 'window_sinks', 'orthros',
             'orthros_nosinks', 'linear')
