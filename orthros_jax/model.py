@@ -257,7 +257,9 @@ class Attention(nn.Module):
     b, t = q.shape[:2]
     start = cache.lengths
     valid = jnp.arange(t)[None, :] < lengths[:, None]
-    k_cache, v_cache = cache_lib.write_kv(cache, k, v, valid)
+    k_cache, v_cache = cache_lib.write_kv(
+        cache, k, v, valid,
+        flat_heads=self.attention_backend.placement is None)
     new_lengths = start + lengths
     backend = self.attention_backend
     if not cfg.is_orthros:
@@ -332,7 +334,9 @@ class Attention(nn.Module):
   def _decode(self, q, k, v, cache: cache_lib.LayerCache, lengths):
     b, t = q.shape[:2]
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
-    k_cache, v_cache = cache_lib.write_kv(cache, k, v, valid)
+    k_cache, v_cache = cache_lib.write_kv(
+        cache, k, v, valid,
+        flat_heads=self.attention_backend.placement is None)
     new_lengths = cache.lengths + lengths
     # Query i sits at cache.lengths + i: the attention places the last T of
     # cache.lengths + T keys. Queries past an example's length are never

@@ -2,6 +2,7 @@
 batches equal single prompts, EOS stopping, sampling filters, errors."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -234,3 +235,67 @@ def test_garbage_past_prompt_lengths_is_ignored():
     np.testing.assert_array_equal(layer_a.S, layer_b.S)
   with pytest.raises(ValueError, match='pad_id'):
     oj.generate(config, params, PROMPTS, max_new_tokens=2, pad_id=VOCAB)
+
+
+@pytest.mark.parametrize('kind', ['orthros', 'dense'])
+def test_decode_step_updates_cache_in_place(kind):
+  """A decode step with the cache donated (as `generate` runs it) writes
+  each layer's K and V in place and copies no cache: in the compiled
+  program every cache-sized result is one of the 2 x layers in-place
+  writes (a scatter or dynamic-update-slice fusion), never a copy or a
+  transpose. (Written as [B, S, K, D], the update was duplicated into the
+  attention's [B, S * K, D] view and the cache copied for it.)"""
+  # SmolLM2's attention shape and a 4K cache, compiled only: XLA's fusion
+  # choices depend on the sizes (at a toy size no copy appears either way).
+  config = make_config(kind=kind, num_layers=2, embed_dim=64, num_heads=9,
+                       num_kv_heads=3, head_dim=64, mlp_dim=64)
+  model = Transformer(config)
+  params = jax.eval_shape(lambda: init_params(config))
+  cache = jax.eval_shape(lambda: oj.init_cache(config, 1, 4097))
+  step = lambda p, t, c: model.apply({'params': p}, t, phase='decode',
+                                     cache=c, check_overflow=False)
+  text = jax.jit(step, donate_argnums=2).lower(
+      params, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache).compile(
+      ).as_text()
+  entry = text[text.index('\nENTRY'):]
+  entry = entry[:entry.index('\n}')]
+  size = cache[0].k.size
+  writes, others = [], []
+  for line in entry.splitlines()[1:]:
+    m = re.match(r'\s*(?:ROOT )?(%\S+) = \w+\[([\d,]*)\]\S* (\S+?)\(', line)
+    if not m or not m.group(2) or m.group(3) in ('parameter', 'bitcast'):
+      continue
+    if np.prod([int(x) for x in m.group(2).split(',')]) == size:
+      kind_ = m.group(3) == 'fusion' and re.search(
+          r'scatter|dynamic-update-slice', m.group(1))
+      (writes if kind_ else others).append(m.group(1))
+  assert not others, others
+  assert len(writes) == 2 * config.num_layers, writes
+
+
+@pytest.mark.parametrize('flat_heads', [True, False])
+def test_write_kv(flat_heads):
+  """Both views write the same: each valid new token at lengths[b] + t,
+  invalid ones and those past max_len dropped, everything else kept
+  (ragged lengths, GQA, one row writing past the end)."""
+  from orthros_jax import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(7)
+  b, t, s, kh, d = 3, 4, 9, 2, 5
+  old_k, old_v = rng.normal(size=(2, b, s, kh, d)).astype(np.float32)
+  new_k, new_v = rng.normal(size=(2, b, t, kh, d)).astype(np.float32)
+  lengths = np.array([0, 3, 7], np.int32)  # row 2: two tokens fit
+  valid = np.array([[1, 1, 0, 1], [1, 1, 1, 0], [1, 1, 1, 1]], bool)
+  layer = cache_lib.LayerCache(
+      k=jnp.asarray(old_k), v=jnp.asarray(old_v), lengths=jnp.asarray(lengths),
+      S=jnp.zeros((b, 1, 1, 1)), z=jnp.zeros((b, 1, 1)),
+      folded=jnp.zeros((b,), jnp.int32))
+  got = jax.jit(functools.partial(cache_lib.write_kv, flat_heads=flat_heads))(
+      layer, jnp.asarray(new_k), jnp.asarray(new_v), jnp.asarray(valid))
+  want_k, want_v = old_k.copy(), old_v.copy()
+  for i in range(b):
+    for j in range(t):
+      if valid[i, j] and lengths[i] + j < s:
+        want_k[i, lengths[i] + j] = new_k[i, j]
+        want_v[i, lengths[i] + j] = new_v[i, j]
+  np.testing.assert_array_equal(got[0], want_k)
+  np.testing.assert_array_equal(got[1], want_v)

@@ -10,6 +10,7 @@ tests/test_attention.py, which keeps the Orthros prefill.)
 
 from __future__ import annotations
 
+import re
 import resource
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from orthros_jax import attention
+from orthros_jax.attention import softmax
 from tests.test_attention import D
 from tests.test_attention import assert_close
 from tests.test_attention import jitted
@@ -220,3 +222,85 @@ def test_softmax_attention_long_sequence(block_size):
   rows = [0, 1, 777, 16383, 16384, 32766, 32767]
   expected = ref.softmax_attention(q, k, v, causal=True, rows=rows)
   assert_close(y[:, rows], expected[:, rows])
+
+
+# name: (lengths, tq, smax, h, k_heads, d, garbage, dtype)
+CROSS_HEAD_CASES = {
+    'gqa3_tq1_nan': ((45, 16, 7), 1, 45, 9, 3, 16, 'nan', jnp.float32),
+    'gqa4_tq5_inf': ((29, 11, 5), 5, 37, 8, 2, 16, 'inf', jnp.float32),
+    'mha_tq3_large': ((33, 3, 20), 3, 33, 4, 4, 8, 'large', jnp.float32),
+    'mqa_tq1_nan': ((20, 1), 1, 21, 6, 1, 8, 'nan', jnp.float32),
+    'bf16_gqa3_tq2_nan': ((45, 16, 7), 2, 45, 9, 3, 16, 'nan', jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize('case', sorted(CROSS_HEAD_CASES))
+def test_decode_attention_cross_head(case):
+  """Decode on the CPU reads the cache in place (`_attend_cross_head`):
+  against float64 and the one-einsum path it replaces, with ragged
+  lengths, GQA / MHA / MQA, several query rows, bf16, and garbage past the
+  lengths: NaN and inf (which take the recomputation that zeroes stale
+  rows) and large finite values (which add exactly 0)."""
+  lengths, tq, smax, h, k_heads, d, garbage, dtype = CROSS_HEAD_CASES[case]
+  lengths = np.asarray(lengths, np.int32)
+  q, k, v = _decode_inputs(65, lengths, tq, smax, h, k_heads, d)
+  for i, n in enumerate(lengths):
+    fill = {'nan': np.nan, 'inf': np.inf, 'large': 1e4}[garbage]
+    k[i, n:], v[i, n:] = fill, -fill
+  q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+  assert softmax._use_cross_head(q.shape, k.shape)  # the path under test
+  y = jax.jit(attention.decode_attention)(q, k, v, jnp.asarray(lengths))
+  assert y.shape == q.shape and y.dtype == dtype
+  assert np.isfinite(np.asarray(y.astype(jnp.float32))).all()
+  pos = jnp.asarray(lengths[:, None] - tq + np.arange(tq)[None, :])
+  one_einsum = jax.jit(lambda q, k, v: softmax._attend_naive(
+      q, k, v, pos, jnp.asarray(lengths), causal=True))(q, k, v)
+  f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+  want = ref.decode_attention(f64(q), f64(k), f64(v), lengths)
+  tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+  assert_close(y, want, tol=tol)
+  assert_close(y, f64(one_einsum), tol=tol)
+
+
+def test_decode_attention_cross_head_choice():
+  """The cross-head path is the CPU's for decode shapes (SmolLM2 one token,
+  a 32 / 8-head model one token) and not where its wasted multiply-adds
+  or its scores grow too large."""
+  assert jax.default_backend() == 'cpu'
+  use = softmax._use_cross_head
+  assert use((1, 1, 9, 64), (1, 4097, 3, 64))
+  assert use((4, 1, 32, 64), (4, 8192, 8, 64))
+  assert not use((1, 16, 32, 64), (1, 4097, 8, 64))  # 16 x 32 x 8 > 512
+  assert not use((1, 64, 9, 64), (1, 4097, 3, 64))
+  assert not use((8, 1, 32, 64), (8, 1 << 17, 8, 64))  # scores too large
+
+
+def _entry_outputs(fn, *args):
+  """Element counts of what the compiled program's entry computation
+  computes (parameters and bitcasts excluded)."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  entry = text[text.index('\nENTRY'):]
+  entry = entry[:entry.index('\n}')]
+  counts = []
+  for line in entry.splitlines()[1:]:
+    m = re.match(r'\s*(?:ROOT )?%\S+ = \(?(\w+)\[([\d,]*)\]', line)
+    if m and not re.search(r'\b(parameter|bitcast|tuple|get-tuple-element)'
+                           r'\(', line):
+      counts.append(int(np.prod([int(x) for x in m.group(2).split(',')
+                                 if x])))
+  return counts
+
+
+def test_decode_attention_reads_cache_in_place():
+  """No intermediate as large as the cache in the compiled decode (the
+  one-einsum path, shown for contrast, copies it to batch over kv heads);
+  the zeroing recomputation lives in the conditional's other branch."""
+  q = jax.ShapeDtypeStruct((1, 1, 9, 32), jnp.float32)
+  k = jax.ShapeDtypeStruct((1, 257, 3, 32), jnp.float32)
+  n = jax.ShapeDtypeStruct((1,), jnp.int32)
+  cache = 257 * 3 * 32
+  got = _entry_outputs(attention.decode_attention, q, k, k, n)
+  assert got and max(got) < cache, got
+  naive = _entry_outputs(lambda q, k, v, n: softmax._attend_naive(
+      q, k, v, n[:, None] - 1, n, causal=True), q, k, k, n)
+  assert max(naive) >= cache, naive

@@ -52,6 +52,23 @@ _NAIVE_MAX_PAIRS = {'cpu': 1 << 16}
 _NAIVE_MAX_PAIRS_DEFAULT = 1 << 20
 _BLOCKS = {'cpu': (256, 128)}
 _BLOCKS_OTHER = (512,)
+# Decode on the CPU: a few query rows over a long cache. Both einsums of
+# the one-einsum path batch over the kv heads, which sit between the
+# position and head_dim axes of the [B, S, K, D] cache, so XLA copies the
+# whole cache into [B, K, S, D] for each (and once more to zero stale
+# rows): at the SmolLM2 shape and 4K tokens those copies were 57 of a 66 ms
+# decode step. `_attend_cross_head` reads the cache in place instead, as
+# one [S * K, D] matrix, and computes every (query head, kv head) pair,
+# keeping the matching ones: K times the minimal multiply-adds, cheap while
+# a step reads far more bytes than it multiplies (benchmarks/RESULTS.md,
+# "Decode attention reads the cache in place"). Taken on the CPU while
+# query rows x heads x kv heads stay within _CROSS_HEAD_MAX_WASTE (above it
+# the wasted work costs more than the copies: 16 rows of a 32 / 8-head
+# model ran 1.7x slower than the one-einsum path) and the [T * H, S * K]
+# scores within _CROSS_HEAD_MAX_SCORES elements.
+_CROSS_HEAD_BACKENDS = ('cpu',)
+_CROSS_HEAD_MAX_WASTE = 512
+_CROSS_HEAD_MAX_SCORES = 1 << 24
 
 
 def _padded_area(t: int, s: int, block: int) -> int:
@@ -119,7 +136,8 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
       which are the last Tq of them: query i of example b is at position
       lengths[b] - Tq + i and sees keys j <= that position (causal inside the
       block of new tokens).
-    block_size: as in `softmax_attention`.
+    block_size: as in `softmax_attention`; with None, a few query rows on
+      the CPU read the cache in place instead (`_attend_cross_head`).
 
   Returns:
     [B, Tq, H, D] in q.dtype.
@@ -128,8 +146,83 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
   tq = q.shape[1]
   lengths = jnp.asarray(lengths, jnp.int32)
   q_pos = lengths[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)[None, :]
+  if block_size is None and _use_cross_head(q.shape, k_cache.shape):
+    return _attend_cross_head(q, k_cache, v_cache, q_pos, lengths)
   return _attend(q, k_cache, v_cache, q_pos, lengths, causal=True,
                  block_size=block_size)
+
+
+def _use_cross_head(q_shape, k_shape) -> bool:
+  """Whether `decode_attention` takes `_attend_cross_head` (see
+  _CROSS_HEAD_MAX_WASTE)."""
+  b, t, h, _ = q_shape
+  s, kh = k_shape[1], k_shape[2]
+  return (jax.default_backend() in _CROSS_HEAD_BACKENDS
+          and t * h * kh <= _CROSS_HEAD_MAX_WASTE
+          and b * t * h * s * kh <= _CROSS_HEAD_MAX_SCORES)
+
+
+@jax.custom_vjp
+def _attend_cross_head(q, k, v, q_pos, kv_len):
+  """`_attend_naive(..., causal=True)` with the cache read in place: the
+  scores are q [T * H, D] times k [S * K, D]^T, of which each query head
+  keeps its own kv head's columns, and the output is p [T * H, S] times v
+  [S, K * D], of which it keeps its kv head's D columns. No [B, K, S, D]
+  copy of the cache is made.
+
+  Stale rows (j >= kv_len) get probability exactly 0, so a finite value
+  there adds exactly 0; a non-finite one (0 * NaN) shows as a non-finite
+  output, and only then is p @ v recomputed with the stale rows of v
+  zeroed (a copy, as the one-einsum path always makes). The backward pass
+  is the one-einsum path's, which zeroes stale rows of k and v."""
+  b, t, h, d = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  scores = jnp.einsum('byd,bxd->byx', q.reshape(b, t * h, d),
+                      k.reshape(b, s * kh, d),
+                      preferred_element_type=jnp.float32)
+  scores = _own_kv_head(scores.reshape(b, t, kh, h // kh, s, kh), axis=5)
+  scores = scores / jnp.sqrt(jnp.float32(d))  # [B, T, K, G, S]
+  mask = _mask(q_pos, kv_len, s, causal=True)[:, :, None, None]  # [B,T,1,1,S]
+  scores = jnp.where(mask, scores, -jnp.inf)
+  p = jnp.exp(scores - stable_max(jnp.max(scores, axis=-1, keepdims=True)))
+  o = _cross_head_pv(p, v.astype(jnp.float32))
+  o = jax.lax.cond(jnp.all(jnp.isfinite(o)), lambda: o,
+                   lambda: _cross_head_pv(p, _zero_invalid(v, kv_len, 0)))
+  return normalize(o, jnp.sum(p, axis=-1)[..., None]).reshape(q.shape).astype(
+      q.dtype)
+
+
+def _own_kv_head(x, axis):
+  """x [B, T, K, G, ..., K', ...] -> the entries with K' = K (K' at `axis`,
+  dropped): each query head's own kv head."""
+  kh = x.shape[2]
+  take = lambda i: jax.lax.index_in_dim(x[:, :, i], i, axis - 1,
+                                        keepdims=False)
+  return jnp.stack([take(i) for i in range(kh)], axis=2)
+
+
+def _cross_head_pv(p, v):
+  """p [B, T, K, G, S] times v [B, S, K, D] float32 -> [B, T, K, G, D]."""
+  b, t, kh, g, s = p.shape
+  d = v.shape[-1]
+  o = jnp.einsum('bys,bsx->byx', p.reshape(b, t * kh * g, s),
+                 v.reshape(b, s, kh * d), preferred_element_type=jnp.float32)
+  return _own_kv_head(o.reshape(b, t, kh, g, kh, d), axis=4)
+
+
+def _cross_head_fwd(q, k, v, q_pos, kv_len):
+  return _attend_cross_head(q, k, v, q_pos, kv_len), (q, k, v, q_pos, kv_len)
+
+
+def _cross_head_bwd(residuals, dout):
+  q, k, v, q_pos, kv_len = residuals
+  _, vjp = jax.vjp(
+      lambda q, k, v: _attend_naive(q, k, v, q_pos, kv_len, causal=True),
+      q, k, v)
+  return (*vjp(dout), None, None)
+
+
+_attend_cross_head.defvjp(_cross_head_fwd, _cross_head_bwd)
 
 
 def _check_shapes(q, k, v):
