@@ -113,17 +113,19 @@ def init_cache(config: ModelConfig, batch: int, max_len: int,
 
 
 def write_kv(cache: LayerCache, k: Array, v: Array, valid: Array, *,
-             flat_heads: bool = True) -> tuple[Array, Array]:
+             flat_heads: bool = False) -> tuple[Array, Array]:
   """Writes new K/V at positions lengths[b] + t where valid[b, t].
 
   k, v: [B, T, K, D]; valid: [B, T] bool. Entries that are not valid or fall
   beyond max_len are dropped (callers check capacity before any work).
   flat_heads: write through the [B, S * K, D] view of the cache (K rows per
   token), the view the CPU's decode attention reads (`attention.softmax`'s
-  cross-head path); written as [B, S, K, D], XLA fused the update into that
-  view's reshape as a second copy of the update and copied the whole cache
-  for it, twice per layer and step. False (a mesh): the [B, S, K, D]
-  layout, whose kv-head axis may be sharded (merged with S it could not).
+  cross-head path; the model passes True where that path runs: one CPU
+  device). Written as [B, S, K, D], XLA fused the update into that view's
+  reshape as a second copy of the update and copied the cache for it, per
+  layer and step. False: the [B, S, K, D] layout, whose kv-head axis may
+  be sharded on a mesh (merged with S it could not), and which padded
+  TPU layouts do not view for free.
   """
   b, t = valid.shape
   s, kh, d = cache.k.shape[1:]
@@ -133,17 +135,6 @@ def write_kv(cache: LayerCache, k: Array, v: Array, valid: Array, *,
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     return (cache.k.at[rows, pos].set(k.astype(cache.k.dtype), mode='drop'),
             cache.v.at[rows, pos].set(v.astype(cache.v.dtype), mode='drop'))
-  rows = (pos[:, :, None] * kh + jnp.arange(kh, dtype=jnp.int32)).reshape(
-      b, t * kh)
-  rows = jnp.where(jnp.repeat(valid, kh, axis=1), rows, s * kh)  # dropped
-  batch = jnp.broadcast_to(jnp.arange(b)[:, None], rows.shape)
-
-  def put(cached, new):
-    flat = cached.reshape(b, s * kh, d).at[batch, rows].set(
-        new.astype(cached.dtype).reshape(b, t * kh, d), mode='drop')
-    return flat.reshape(cached.shape)
-
-  return put(cache.k, k), put(cache.v, v)
   rows = (pos[:, :, None] * kh + jnp.arange(kh, dtype=jnp.int32)).reshape(
       b, t * kh)
   rows = jnp.where(jnp.repeat(valid, kh, axis=1), rows, s * kh)  # dropped

@@ -259,7 +259,7 @@ class Attention(nn.Module):
     valid = jnp.arange(t)[None, :] < lengths[:, None]
     k_cache, v_cache = cache_lib.write_kv(
         cache, k, v, valid,
-        flat_heads=self.attention_backend.placement is None)
+        flat_heads=self.attention_backend.reads_flat_cache)
     new_lengths = start + lengths
     backend = self.attention_backend
     if not cfg.is_orthros:
@@ -336,7 +336,7 @@ class Attention(nn.Module):
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
     k_cache, v_cache = cache_lib.write_kv(
         cache, k, v, valid,
-        flat_heads=self.attention_backend.placement is None)
+        flat_heads=self.attention_backend.reads_flat_cache)
     new_lengths = cache.lengths + lengths
     # Query i sits at cache.lengths + i: the attention places the last T of
     # cache.lengths + T keys. Queries past an example's length are never

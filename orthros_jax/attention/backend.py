@@ -26,6 +26,7 @@ from typing import Callable
 
 from orthros_jax.attention import context_parallel
 from orthros_jax.attention import dispatch
+from orthros_jax.attention import softmax
 from orthros_jax.attention.placement import Placement
 from orthros_jax.attention.sharded import sharded_flash_decode
 from orthros_jax.attention.sharded import sharded_linear_prefill
@@ -78,6 +79,13 @@ class AttentionBackend:
     return functools.partial(sharded_linear_prefill, self.placement.mesh,
                              batch_axis=batch_axes, head_axis=head_axes)
 
+  @property
+  def reads_flat_cache(self) -> bool:
+    """Whether decode reads the cache through its [B, S * K, D] view (the
+    CPU's cross-head path, one device), so that `cache.write_kv` should
+    write through that view too (`flat_heads`)."""
+    return self.placement is None and softmax.cross_head_backend()
+
   def decode(self, num_tokens: int, batch: int) -> Callable:
     """Exact attention of `num_tokens` new tokens per example over the
     cache (`decode_attention`'s signature)."""
@@ -93,7 +101,9 @@ class AttentionBackend:
           seq_axis=self.placement.sequence_axis, batch_axes=batch_axes,
           head_axes=head_axes)
     if kind == 'xla':
-      return fn
+      # On global arrays, kv heads possibly sharded: the cross-head path's
+      # [S * K, D] view of the cache would gather it.
+      return functools.partial(fn, cross_head=False)
     return functools.partial(sharded_flash_decode, self.placement.mesh,
                              batch_axis=batch_axes, head_axis=head_axes)
 

@@ -54,18 +54,19 @@ _BLOCKS = {'cpu': (256, 128)}
 _BLOCKS_OTHER = (512,)
 # Decode on the CPU: a few query rows over a long cache. Both einsums of
 # the one-einsum path batch over the kv heads, which sit between the
-# position and head_dim axes of the [B, S, K, D] cache, so XLA copies the
-# whole cache into [B, K, S, D] for each (and once more to zero stale
-# rows): at the SmolLM2 shape and 4K tokens those copies were 57 of a 66 ms
-# decode step. `_attend_cross_head` reads the cache in place instead, as
-# one [S * K, D] matrix, and computes every (query head, kv head) pair,
+# position and head_dim axes of the [B, S, K, D] cache, so XLA transposed
+# the whole cache into [B, K, S, D] for each (zeroing stale rows on the
+# way): at the SmolLM2 shape and 4K tokens, cache-sized copies took about
+# 39 ms of a decode step the profiler timed at about 84 ms (66 ms without
+# it). `_attend_cross_head` reads the cache in place instead, as one
+# [S * K, D] matrix, and computes every (query head, kv head) pair,
 # keeping the matching ones: K times the minimal multiply-adds, cheap while
 # a step reads far more bytes than it multiplies (benchmarks/RESULTS.md,
-# "Decode attention reads the cache in place"). Taken on the CPU while
+# "Decode reads the KV cache in place on the CPU"). Taken on the CPU while
 # query rows x heads x kv heads stay within _CROSS_HEAD_MAX_WASTE (above it
-# the wasted work costs more than the copies: 16 rows of a 32 / 8-head
-# model ran 1.7x slower than the one-einsum path) and the [T * H, S * K]
-# scores within _CROSS_HEAD_MAX_SCORES elements.
+# the wasted work costs more than the copies: in an ad-hoc timing 16 rows
+# of a 32 / 8-head model ran 1.7x slower than the one-einsum path) and the
+# [B, T * H, S * K] scores within _CROSS_HEAD_MAX_SCORES elements.
 _CROSS_HEAD_BACKENDS = ('cpu',)
 _CROSS_HEAD_MAX_WASTE = 512
 _CROSS_HEAD_MAX_SCORES = 1 << 24
@@ -126,7 +127,8 @@ def softmax_attention(q: Array, k: Array, v: Array, *, causal: bool = True,
 
 
 def decode_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
-                     *, block_size: int | None = None) -> Array:
+                     *, block_size: int | None = None,
+                     cross_head: bool = True) -> Array:
   """Exact attention of T_q new tokens over a padded KV cache.
 
   Args:
@@ -136,8 +138,11 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
       which are the last Tq of them: query i of example b is at position
       lengths[b] - Tq + i and sees keys j <= that position (causal inside the
       block of new tokens).
-    block_size: as in `softmax_attention`; with None, a few query rows on
-      the CPU read the cache in place instead (`_attend_cross_head`).
+    block_size: as in `softmax_attention`; with None (and cross_head), a
+      few query rows on the CPU read the cache in place instead
+      (`_attend_cross_head`).
+    cross_head: False never takes that path (a cache sharded over kv heads,
+      whose [B, S * K, D] view would be gathered).
 
   Returns:
     [B, Tq, H, D] in q.dtype.
@@ -146,10 +151,17 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
   tq = q.shape[1]
   lengths = jnp.asarray(lengths, jnp.int32)
   q_pos = lengths[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)[None, :]
-  if block_size is None and _use_cross_head(q.shape, k_cache.shape):
+  if (cross_head and block_size is None
+      and _use_cross_head(q.shape, k_cache.shape)):
     return _attend_cross_head(q, k_cache, v_cache, q_pos, lengths)
   return _attend(q, k_cache, v_cache, q_pos, lengths, causal=True,
                  block_size=block_size)
+
+
+def cross_head_backend() -> bool:
+  """Whether this backend's `decode_attention` may read the cache through
+  its [B, S * K, D] view (the CPU)."""
+  return jax.default_backend() in _CROSS_HEAD_BACKENDS
 
 
 def _use_cross_head(q_shape, k_shape) -> bool:
@@ -157,7 +169,7 @@ def _use_cross_head(q_shape, k_shape) -> bool:
   _CROSS_HEAD_MAX_WASTE)."""
   b, t, h, _ = q_shape
   s, kh = k_shape[1], k_shape[2]
-  return (jax.default_backend() in _CROSS_HEAD_BACKENDS
+  return (cross_head_backend()
           and t * h * kh <= _CROSS_HEAD_MAX_WASTE
           and b * t * h * s * kh <= _CROSS_HEAD_MAX_SCORES)
 
@@ -174,7 +186,9 @@ def _attend_cross_head(q, k, v, q_pos, kv_len):
   there adds exactly 0; a non-finite one (0 * NaN) shows as a non-finite
   output, and only then is p @ v recomputed with the stale rows of v
   zeroed (a copy, as the one-einsum path always makes). The backward pass
-  is the one-einsum path's, which zeroes stale rows of k and v."""
+  is the one-einsum path's, which zeroes stale rows of k and v (a
+  `custom_vjp`: forward-mode differentiation, `jax.jvp`, is not defined).
+  A bfloat16 cache is read as float32 for p @ v (a converted copy of v)."""
   b, t, h, d = q.shape
   s, kh = k.shape[1], k.shape[2]
   scores = jnp.einsum('byd,bxd->byx', q.reshape(b, t * h, d),
