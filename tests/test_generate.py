@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 import orthros_jax as oj
+from orthros_jax import cache as cache_lib
 from orthros_jax.generate import sample_logits
 from orthros_jax.model import Transformer
 
+import hlo_entry
 from test_model import VOCAB, init_params, make_config
 
 PROMPTS = [[5, 17, 3, 40, 22, 9, 61, 2, 33, 12, 7], [8, 1, 50, 23, 23, 4],
@@ -262,22 +264,13 @@ def test_decode_step_updates_cache_in_place(kind):
   text = jax.jit(step, donate_argnums=2).lower(
       params, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache).compile(
       ).as_text()
-  entry = text[text.index('\nENTRY'):]
-  entry = entry[:entry.index('\n}')]
   size = cache[0].k.size
   writes, others = [], []
-  for line in entry.splitlines()[1:]:
-    # name = shape-or-tuple-of-shapes op(...)
-    m = re.match(r'\s*(?:ROOT )?(%\S+) = (.*?) ([\w-]+)\(', line)
-    if not m or m.group(3) in ('parameter', 'bitcast', 'tuple',
-                               'get-tuple-element'):
-      continue
-    shapes = re.findall(r'\w+\[([\d,]*)\]', m.group(2))
-    if any(np.prod([int(x) for x in dims.split(',') if x]) >= size
-           for dims in shapes):
-      write = m.group(3) == 'fusion' and re.search(
-          r'scatter|dynamic-update-slice', m.group(1))
-      (writes if write else others).append(m.group(1))
+  for name, op, largest in hlo_entry.entry_results(text):
+    if largest >= size:
+      write = op == 'fusion' and re.search(r'scatter|dynamic-update-slice',
+                                           name)
+      (writes if write else others).append(name)
   assert not others, others
   assert len(writes) == 2 * config.num_layers, writes
 
@@ -287,7 +280,6 @@ def test_write_kv(flat_heads):
   """Both views write the same: each valid new token at lengths[b] + t,
   invalid ones and those past max_len dropped, everything else kept
   (ragged lengths, GQA, one row writing past the end)."""
-  from orthros_jax import cache as cache_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(7)
   b, t, s, kh, d = 3, 4, 9, 2, 5
   old_k, old_v = rng.normal(size=(2, b, s, kh, d)).astype(np.float32)

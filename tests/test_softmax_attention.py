@@ -11,7 +11,6 @@ tests/test_attention.py, which keeps the Orthros prefill.)
 from __future__ import annotations
 
 import functools
-import re
 import resource
 
 import jax
@@ -25,8 +24,10 @@ from tests.test_attention import D
 from tests.test_attention import assert_close
 from tests.test_attention import jitted
 try:
+  from tests import hlo_entry
   from tests import reference as ref
 except ImportError:  # tests/ itself on sys.path (no package)
+  import hlo_entry
   import reference as ref
 
 
@@ -288,16 +289,7 @@ def _entry_outputs(fn, *args):
   """Element counts of what the compiled program's entry computation
   computes (parameters and bitcasts excluded)."""
   text = jax.jit(fn).lower(*args).compile().as_text()
-  entry = text[text.index('\nENTRY'):]
-  entry = entry[:entry.index('\n}')]
-  counts = []
-  for line in entry.splitlines()[1:]:
-    m = re.match(r'\s*(?:ROOT )?%\S+ = (.*?) ([\w-]+)\(', line)
-    if m and m.group(2) not in ('parameter', 'bitcast', 'tuple',
-                                'get-tuple-element'):
-      counts += [int(np.prod([int(x) for x in dims.split(',') if x]))
-                 for dims in re.findall(r'\w+\[([\d,]*)\]', m.group(1))]
-  return counts
+  return [size for _, _, size in hlo_entry.entry_results(text)]
 
 
 def test_decode_attention_reads_cache_in_place():
