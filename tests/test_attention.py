@@ -192,6 +192,35 @@ def test_prefill_matches_formula_gqa(h, k_heads, window):
   check_prefill(x, y, state, window=window)
 
 
+def test_prefill_without_lengths_scans_without_cond():
+  """With no lengths every chunk is read: the scan body has no `lax.cond`
+  (attention transfer's path), and its outputs, state and gradients equal
+  those with every length given (which go through the per-chunk cond)."""
+  x = make_prefill_inputs(14, b=2, t=T, h=4, k_heads=2, d=D, p=P,
+                          fmap='hedgehog')
+  args = tuple(jnp.asarray(x[n]) for n in
+               ('q', 'k', 'v', 'phi_q', 'phi_k', 'gamma'))
+  full = jnp.full((2,), T, jnp.int32)
+
+  def loss(lengths, *a):
+    y, st = attention.orthros_prefill(*a, window=7, chunk_size=5,
+                                      lengths=lengths)
+    w = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+    return jnp.sum(y * w) + jnp.sum(st.S) + jnp.sum(st.z), (y, st)
+
+  grad = jax.grad(loss, argnums=(1, 2, 3, 4, 5, 6), has_aux=True)
+  jaxpr = str(jax.make_jaxpr(lambda *a: loss(None, *a))(*args))
+  assert 'cond[' not in jaxpr and 'scan[' in jaxpr
+  assert 'cond[' in str(jax.make_jaxpr(lambda *a: loss(full, *a))(*args))
+  g_none, (y_none, st_none) = jax.jit(lambda *a: grad(None, *a))(*args)
+  g_full, (y_full, st_full) = jax.jit(lambda *a: grad(full, *a))(*args)
+  check_prefill(x, y_none, st_none, window=7)
+  for a, b in zip(jax.tree.leaves((g_none, y_none, st_none)),
+                  jax.tree.leaves((g_full, y_full, st_full))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_prefill_under_jit_with_traced_lengths():
   x = make_prefill_inputs(12, b=3, t=T, h=4, k_heads=2, d=D, p=P, fmap='elu',
                           lengths=RAGGED)

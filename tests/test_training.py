@@ -219,6 +219,25 @@ def test_loss_decreases(tmp_path, kind, prompt):
              for f in os.listdir(tmp_path / 'tensorboard'))
 
 
+def test_train_step_compiles_once(tmp_path, caplog):
+  """A fresh state mixes committed arrays (weights loaded from a checkpoint
+  or computed from loaded ones) with uncommitted ones (optimizer zeros, the
+  step counter); the step's outputs are all committed. The loop commits
+  the state first, so the train step compiles at the first step only (it
+  compiled a second time at the second step before)."""
+  config = tiny_config('orthros')
+  params = jax.device_put(init_params(config), jax.local_devices()[0])
+  assert all(x.committed for x in jax.tree.leaves(params))
+  with jax.log_compiles(True), caplog.at_level('WARNING'):
+    _, history = tr.train(quick_config(num_steps=4), tmp_path, config,
+                          lambda: params, PatternBatches())
+  assert len(history) == 4
+  compiled = [r.getMessage() for r in caplog.records
+              if 'Finished XLA compilation of jit(step) ' in
+              r.getMessage()]
+  assert len(compiled) == 1, compiled
+
+
 def test_split_modes():
   config = tiny_config('orthros')
   w = config.attention.window

@@ -136,6 +136,7 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
   if phi_q.shape != (b, t, h, f) or phi_k.shape != (b, t, h, f):
     raise ValueError(f'phi_q {phi_q.shape} and phi_k {phi_k.shape} must both '
                      f'be [B, T, H, F] = {(b, t, h, f)}')
+  every_chunk = lengths is None  # every chunk holds a query read
   lengths = (jnp.full((b,), t, jnp.int32) if lengths is None
              else jnp.asarray(lengths, jnp.int32))
   state = initial_state if initial_state is not None else zero_state(b, h, f, d)
@@ -267,7 +268,10 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
   # Chunks past the longest example hold no query anyone reads and fold
   # nothing (their keys are past every length): skipped, forward and
   # backward (a split forward passes lengths = its split, so a row's
-  # exact half costs nothing here).
+  # exact half costs nothing here). Without lengths no chunk can be
+  # skipped, and the scan runs the step alone: a `lax.cond` per chunk
+  # costs its residuals' bookkeeping under autodiff (attention transfer,
+  # stage 1 of a conversion, runs this path).
   needed_below = p + jnp.max(lengths)
 
   def step_or_skip(carry, chunk):
@@ -275,7 +279,8 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
     return jax.lax.cond(chunk[-1] * c < needed_below, step, skip, carry,
                         chunk)
 
-  (state, buf), ys = jax.lax.scan(step_or_skip, (state, buffer), xs)
+  (state, buf), ys = jax.lax.scan(step if every_chunk else step_or_skip,
+                                  (state, buffer), xs)
   # Tokens still in the buffer (the last nb chunks) may also be older than
   # the last valid token's window.
   state = fold_chunk(state, buf[2], buf[1], buf[4])
