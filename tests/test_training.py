@@ -221,8 +221,8 @@ def test_loss_decreases(tmp_path, kind, prompt):
 
 def test_train_step_compiles_once(tmp_path, caplog):
   """A fresh state mixes committed arrays (weights loaded from a checkpoint
-  or computed from loaded ones) with uncommitted ones (optimizer zeros, the
-  step counter); the step's outputs are all committed. The loop commits
+  or computed from loaded ones) with uncommitted ones (the step and
+  optimizer counters); the step's outputs are all committed. The loop commits
   the state first, so the train step compiles at the first step only (it
   compiled a second time at the second step before)."""
   config = tiny_config('orthros')
@@ -236,6 +236,24 @@ def test_train_step_compiles_once(tmp_path, caplog):
               if 'Finished XLA compilation of jit(step) ' in
               r.getMessage()]
   assert len(compiled) == 1, compiled
+
+
+def test_commit_to_device_commits_only_what_is_not():
+  """Uncommitted arrays join the device of the committed ones, which keep
+  their buffers (no copy); a tree with nothing committed stays as it is."""
+  from orthros_jax.training.loop import commit_to_device
+  device = jax.local_devices()[0]
+  weights = jax.device_put(jnp.arange(6.0), device)
+  tree = {'w': weights, 'count': jnp.zeros((), jnp.int32), 'note': 'x'}
+  assert weights.committed and not tree['count'].committed
+  out = commit_to_device(tree)
+  assert out['w'].committed and out['count'].committed
+  assert out['count'].devices() == {device} and out['note'] == 'x'
+  assert (out['w'].unsafe_buffer_pointer()
+          == weights.unsafe_buffer_pointer())
+  loose = {'a': jnp.zeros(3), 'b': jnp.ones((), jnp.int32)}
+  assert commit_to_device(loose) is loose
+  assert not any(x.committed for x in jax.tree.leaves(loose))
 
 
 def test_split_modes():

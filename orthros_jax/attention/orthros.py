@@ -136,7 +136,7 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
   if phi_q.shape != (b, t, h, f) or phi_k.shape != (b, t, h, f):
     raise ValueError(f'phi_q {phi_q.shape} and phi_k {phi_k.shape} must both '
                      f'be [B, T, H, F] = {(b, t, h, f)}')
-  every_chunk = lengths is None  # every chunk holds a query read
+  every_chunk = lengths is None  # no chunk can be skipped (see the scan)
   lengths = (jnp.full((b,), t, jnp.int32) if lengths is None
              else jnp.asarray(lengths, jnp.int32))
   state = initial_state if initial_state is not None else zero_state(b, h, f, d)
@@ -268,19 +268,20 @@ def orthros_prefill(q: Array, k: Array, v: Array, phi_q: Array, phi_k: Array,
   # Chunks past the longest example hold no query anyone reads and fold
   # nothing (their keys are past every length): skipped, forward and
   # backward (a split forward passes lengths = its split, so a row's
-  # exact half costs nothing here). Without lengths no chunk can be
-  # skipped, and the scan runs the step alone: a `lax.cond` per chunk
-  # costs its residuals' bookkeeping under autodiff (attention transfer,
-  # stage 1 of a conversion, runs this path).
-  needed_below = p + jnp.max(lengths)
+  # exact half costs nothing here). Without lengths no chunk starts at or
+  # past p + T, so none can be skipped, and the scan runs the step alone:
+  # a `lax.cond` per chunk costs its residuals' bookkeeping under autodiff
+  # (attention transfer, stage 1 of a conversion, runs this path).
+  body = step
+  if not every_chunk:
+    needed_below = p + jnp.max(lengths)
 
-  def step_or_skip(carry, chunk):
-    skip = lambda carry, _: (carry, jnp.zeros((b, h, c, d), jnp.float32))
-    return jax.lax.cond(chunk[-1] * c < needed_below, step, skip, carry,
-                        chunk)
+    def body(carry, chunk):
+      skip = lambda carry, _: (carry, jnp.zeros((b, h, c, d), jnp.float32))
+      return jax.lax.cond(chunk[-1] * c < needed_below, step, skip, carry,
+                          chunk)
 
-  (state, buf), ys = jax.lax.scan(step if every_chunk else step_or_skip,
-                                  (state, buffer), xs)
+  (state, buf), ys = jax.lax.scan(body, (state, buffer), xs)
   # Tokens still in the buffer (the last nb chunks) may also be older than
   # the last valid token's window.
   state = fold_chunk(state, buf[2], buf[1], buf[4])

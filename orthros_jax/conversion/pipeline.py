@@ -131,8 +131,10 @@ def convert(config, workdir: str | os.PathLike) -> dict:
                      f'teacher only {teacher.vocab_size}: use the teacher\'s '
                      'tokenizer (data.tokenizer)')
 
-  student_init = init_student(teacher_params, student,
-                              jax.random.PRNGKey(seed))
+  # Committed like the trained params the held-out probe below also reads
+  # (else it compiles twice; loop.commit_to_device).
+  student_init = loop.commit_to_device(init_student(
+      teacher_params, student, jax.random.PRNGKey(seed)))
   placement = None if partitioner is None else partitioner.placement
   objective1 = stages.transfer_objective(student, placement)
   probe = next(iter(make_data(dict(data_cfg, seed=int(data_cfg['seed']) + 7),

@@ -226,16 +226,27 @@ def train(config: TrainConfig | Mapping[str, Any], workdir: str | os.PathLike,
   return state, history
 
 
-def commit_to_device(tree, device=None):
-  """`tree` with every array committed to `device` (default: the first
-  local device), as a jitted step's outputs are. A fresh state mixes
-  committed arrays (loaded or computed from committed weights) with
-  uncommitted ones (optimizer zeros, the step counter); jit lowers
-  committed and uncommitted arguments differently, so without this the
-  second step compiled the whole train step a second time (4-9 s per
-  stage of the tiny conversion on a 2-core CPU)."""
-  device = device or jax.local_devices()[0]
-  return jax.device_put(tree, device)
+def commit_to_device(tree):
+  """`tree` with its uncommitted arrays committed to the one device its
+  committed arrays live on, as a jitted step's outputs are. A fresh state
+  mixes committed arrays (loaded weights, and what is computed from them)
+  with uncommitted ones (the step and optimizer counters, freshly
+  initialised params and their moments); jit lowers committed and
+  uncommitted arguments differently, so the second step, whose state is
+  all committed outputs, compiled the whole train step again (4-8 s per
+  stage of the tiny conversion on a 2-core CPU). A tree with nothing
+  committed (jit's outputs stay uncommitted then) or spread over several
+  devices is returned as it is. No copy: an array already on the device
+  keeps its buffer."""
+  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  devices = {d for x in arrays if x.committed for d in x.devices()}
+  if len(devices) != 1 or all(x.committed for x in arrays):
+    return tree
+  (device,) = devices
+  return jax.tree.map(
+      lambda x: (jax.device_put(x, device)
+                 if isinstance(x, jax.Array) and not x.committed else x),
+      tree)
 
 
 def _log(writer, bar, step: int, window: list[dict]) -> None:
