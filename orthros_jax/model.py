@@ -257,11 +257,10 @@ class Attention(nn.Module):
     b, t = q.shape[:2]
     start = cache.lengths
     valid = jnp.arange(t)[None, :] < lengths[:, None]
-    k_cache, v_cache = cache_lib.write_kv(
-        cache, k, v, valid,
-        flat_heads=self.attention_backend.reads_flat_cache)
-    new_lengths = start + lengths
     backend = self.attention_backend
+    k_cache, v_cache = cache_lib.write_kv(
+        cache, k, v, valid, flat_heads=backend.reads_flat_cache)
+    new_lengths = start + lengths
     if not cfg.is_orthros:
       # Query t of example b sits at start[b] + t, as `decode_attention`
       # places the last T of start + T keys.
@@ -334,15 +333,14 @@ class Attention(nn.Module):
   def _decode(self, q, k, v, cache: cache_lib.LayerCache, lengths):
     b, t = q.shape[:2]
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
+    backend = self.attention_backend
     k_cache, v_cache = cache_lib.write_kv(
-        cache, k, v, valid,
-        flat_heads=self.attention_backend.reads_flat_cache)
+        cache, k, v, valid, flat_heads=backend.reads_flat_cache)
     new_lengths = cache.lengths + lengths
     # Query i sits at cache.lengths + i: the attention places the last T of
     # cache.lengths + T keys. Queries past an example's length are never
     # read; its real queries see only written keys (causality).
-    y = self.attention_backend.decode(t, b)(q, k_cache, v_cache,
-                                            cache.lengths + t)
+    y = backend.decode(t, b)(q, k_cache, v_cache, cache.lengths + t)
     # Decode never reads the linear state: it stays where the last prefill
     # left it (`folded`), and the next continued prefill folds the tokens
     # decoded since, a chunk per iteration (`_prefill`), so a decode step
